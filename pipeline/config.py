@@ -1,0 +1,82 @@
+"""Per-request parameters of the algorithm: sampling and speculation.
+
+Plain dataclasses, validated at construction so every caller (CLI, HTTP edge, tests) gets the same clear
+message for bad input. pydantic lives only at the edges (deployments/).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are drawn from a distribution. The draft and the target are warped the same way.
+
+    temperature == 0 means greedy (argmax); top_k == 0 and top_p == 1.0 mean "no truncation".
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: whole vocabulary
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
+    max_tokens: int = 128  # hard limit on generated tokens (never exceeded)
+    stop: tuple[str, ...] = ()  # stop strings: output ends before the first occurrence
+    seed: int | None = None  # None: a fresh random seed, reported back so the output is reproducible
+    ignore_eos: bool = False  # keep generating past EOS (benchmarks)
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0):  # also rejects NaN
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def with_seed(self) -> "SamplingParams":
+        """Return a copy whose seed is fixed (drawn from the OS if absent), so the run can be replayed."""
+        if self.seed is not None:
+            return self
+        seed = int.from_bytes(os.urandom(8), "little") & (2**62 - 1)
+        return SamplingParams(**{**self.__dict__, "seed": seed})
+
+
+@dataclass(frozen=True)
+class SpecParams:
+    """How much to speculate. num_draft_tokens == 0 (or no drafter) is plain target decoding."""
+
+    num_draft_tokens: int = 4  # K: tokens proposed per target pass
+    draft_top_k: int = 64  # the draft ships only its top-k probabilities per position (O(K*k) on the wire)
+
+    def __post_init__(self) -> None:
+        if self.num_draft_tokens < 0:
+            raise ValueError(f"K (num_draft_tokens) must be >= 0, got {self.num_draft_tokens}")
+        if self.num_draft_tokens > 64:
+            raise ValueError(f"K (num_draft_tokens) must be <= 64, got {self.num_draft_tokens}")
+        if self.draft_top_k < 1:
+            raise ValueError(f"draft_top_k must be >= 1, got {self.draft_top_k}")
+
+
+@dataclass
+class EngineConfig:
+    """Capacity of one engine (one process holding a target and maybe a drafter)."""
+
+    max_batch_size: int = 16  # KV-cache slots, i.e. requests held at once
+    max_seq_len: int = 2048  # prompt + generated tokens per request (cache length is this + K + 1)
+    device: str = "cpu"
+    dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
+    extra: dict = field(default_factory=dict)
