@@ -1,0 +1,401 @@
+"""Pure-torch Llama-family runner (Llama, Mistral, Qwen2, SmolLM2) with a slot-indexed KV cache.
+
+Numerics follow HF transformers' `LlamaForCausalLM` (RMSNorm in float32 then cast back and scaled,
+non-interleaved RoPE with `rotate_half`, SiLU-gated MLP), so float32 logits agree with HF to ~1e-5.
+
+KV cache layout, per layer: `k_cache`, `v_cache` of shape `[num_slots, n_kv_heads, max_len, head_dim]`.
+Heads sit before positions so that the keys of a batch, `k_cache[slots, :, :kv_len]`, come out as
+`[B, n_kv_heads, kv_len, head_dim]`: exactly what `scaled_dot_product_attention` takes.
+A forward call writes K/V of row b's tokens at `(slots[b], :, positions[b] + t)` and lets the query at
+absolute position p see keys at positions <= p of its own slot (a per-row causal mask). Entries beyond
+p are stale leftovers of rejected drafts; they are never attended to and get overwritten later.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+from pipeline.models.base import ModelInfo
+
+FAST_PATH_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+
+
+# ----------------------------------------------------------------------------------------------------
+# Config
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    vocab_size: int
+    dim: int  # hidden size
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int  # may differ from dim // n_heads (e.g. Mistral-Nemo)
+    intermediate_size: int
+    norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None  # None (plain RoPE) or a "llama3" parameter dict
+    tie_embeddings: bool  # output layer shares the embedding matrix
+    qkv_bias: bool  # Qwen2: biases on q/k/v projections
+    o_bias: bool
+    mlp_bias: bool
+    sliding_window: int | None  # Mistral: a query at p sees keys in (p - window, p]; None: no window
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> "LlamaArgs":
+        """Build from an HF config dict (config.json, or `PretrainedConfig.to_dict()`)."""
+        reason = unsupported_reason(config)
+        if reason is not None:
+            raise ValueError(f"config not supported by the Llama fast path: {reason}")
+        n_heads = config["num_attention_heads"]
+        model_type = config["model_type"]
+        theta, scaling = _rope_params(config)
+        attention_bias = bool(config.get("attention_bias", False))
+        return cls(
+            vocab_size=config["vocab_size"],
+            dim=config["hidden_size"],
+            n_layers=config["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=config.get("num_key_value_heads") or n_heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // n_heads,
+            intermediate_size=config["intermediate_size"],
+            norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type != "qwen2" and attention_bias,
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            sliding_window=config.get("sliding_window") if model_type == "mistral" else None,
+            max_position_embeddings=config.get("max_position_embeddings", 4096),
+        )
+
+
+def _rope_params(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None) from either transformers-5 `rope_parameters` or the older
+    `rope_theta` + `rope_scaling` keys."""
+    params = dict(config.get("rope_parameters") or {})
+    legacy = config.get("rope_scaling") or {}
+    params = {**legacy, **params}
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    scaling = {**params, "rope_type": rope_type}
+    scaling.setdefault("original_max_position_embeddings", config.get("max_position_embeddings"))
+    return theta, scaling
+
+
+def unsupported_reason(config: dict[str, Any]) -> str | None:
+    """None when the fast path runs this config exactly, else a short reason (for the fallback log)."""
+    model_type = config.get("model_type")
+    if model_type not in FAST_PATH_MODEL_TYPES:
+        return f"model_type {model_type!r} is not one of {sorted(FAST_PATH_MODEL_TYPES)}"
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        return f"hidden_act {act!r} (only silu)"
+    params = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    if any(isinstance(v, dict) for v in params.values()):
+        return "per-layer rope parameters"
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        return f"rope_type {rope_type!r} (only default and llama3)"
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        return "partial_rotary_factor != 1"
+    layer_types = config.get("layer_types") or []
+    if model_type == "qwen2" and (config.get("use_sliding_window") or "sliding_attention" in layer_types):
+        return "qwen2 per-layer sliding window attention"
+    if config.get("pretraining_tp", 1) not in (None, 1):
+        return "pretraining_tp != 1"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Modules
+
+
+class RMSNorm(nn.Module):
+    """HF LlamaRMSNorm: normalise in float32, cast back to the input dtype, then scale."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, T, H, D]; cos, sin: [B, T, 1, D] (same dtype as x)
+    return x * cos + rotate_half(x) * sin
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """[head_dim // 2] float32 inverse frequencies, as HF computes them (default or llama3)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    assert scaling["rope_type"] == "llama3", f"unsupported rope_type {scaling['rope_type']!r}"
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: LlamaArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
+        self.wq = nn.Linear(a.dim, a.n_heads * a.head_dim, bias=a.qkv_bias)
+        self.wk = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
+        self.wv = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
+        self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=a.o_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, C]
+        cos: torch.Tensor,  # [B, T, 1, D]
+        sin: torch.Tensor,  # [B, T, 1, D]
+        mask: torch.Tensor,  # [B, 1, T, S] bool, True = attend
+        k_cache: torch.Tensor,  # [num_slots, Hkv, max_len, D]
+        v_cache: torch.Tensor,  # [num_slots, Hkv, max_len, D]
+        slots: torch.Tensor,  # [B]
+        pos: torch.Tensor,  # [B, T] absolute position of every fed token
+    ) -> torch.Tensor:  # [B, T, C]
+        B, T, _ = x.shape
+        S = mask.shape[-1]
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # [B, T, H, D]
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)  # [B, T, Hkv, D]
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)  # [B, T, Hkv, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # Advanced indices split by a slice put their broadcast dims first: the target is [B, T, Hkv, D].
+        k_cache[slots[:, None], :, pos] = k
+        v_cache[slots[:, None], :, pos] = v
+        keys = k_cache[slots, :, :S]  # [B, Hkv, S, D]
+        values = v_cache[slots, :, :S]  # [B, Hkv, S, D]
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads
+        )  # [B, H, T, D]
+        return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, a: LlamaArgs) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(a.dim, a.intermediate_size, bias=a.mlp_bias)  # gate
+        self.w3 = nn.Linear(a.dim, a.intermediate_size, bias=a.mlp_bias)  # up
+        self.w2 = nn.Linear(a.intermediate_size, a.dim, bias=a.mlp_bias)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, C] -> [B, T, C]
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, a: LlamaArgs) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(a.dim, a.norm_eps)
+        self.attention = Attention(a)
+        self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
+        self.feed_forward = MLP(a)
+
+    def forward(self, x, cos, sin, mask, k_cache, v_cache, slots, pos) -> torch.Tensor:  # [B, T, C]
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask, k_cache, v_cache, slots, pos)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, a: LlamaArgs) -> None:
+        super().__init__()
+        self.args = a
+        self.tok_embeddings = nn.Embedding(a.vocab_size, a.dim)
+        self.layers = nn.ModuleList(Block(a) for _ in range(a.n_layers))
+        self.norm = RMSNorm(a.dim, a.norm_eps)
+        self.output = nn.Linear(a.dim, a.vocab_size, bias=False)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Weights: the one table from HF tensor names to module parameters ({i}: layer index)
+
+HF_TO_LOCAL: dict[str, str] = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+    "model.layers.{i}.input_layernorm.weight": "layers.{i}.attention_norm.weight",
+    "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.ffn_norm.weight",
+    "model.layers.{i}.self_attn.q_proj.weight": "layers.{i}.attention.wq.weight",
+    "model.layers.{i}.self_attn.k_proj.weight": "layers.{i}.attention.wk.weight",
+    "model.layers.{i}.self_attn.v_proj.weight": "layers.{i}.attention.wv.weight",
+    "model.layers.{i}.self_attn.o_proj.weight": "layers.{i}.attention.wo.weight",
+    "model.layers.{i}.self_attn.q_proj.bias": "layers.{i}.attention.wq.bias",
+    "model.layers.{i}.self_attn.k_proj.bias": "layers.{i}.attention.wk.bias",
+    "model.layers.{i}.self_attn.v_proj.bias": "layers.{i}.attention.wv.bias",
+    "model.layers.{i}.self_attn.o_proj.bias": "layers.{i}.attention.wo.bias",
+    "model.layers.{i}.mlp.gate_proj.weight": "layers.{i}.feed_forward.w1.weight",
+    "model.layers.{i}.mlp.up_proj.weight": "layers.{i}.feed_forward.w3.weight",
+    "model.layers.{i}.mlp.down_proj.weight": "layers.{i}.feed_forward.w2.weight",
+    "model.layers.{i}.mlp.gate_proj.bias": "layers.{i}.feed_forward.w1.bias",
+    "model.layers.{i}.mlp.up_proj.bias": "layers.{i}.feed_forward.w3.bias",
+    "model.layers.{i}.mlp.down_proj.bias": "layers.{i}.feed_forward.w2.bias",
+}
+_HF_PATTERNS = [(re.compile("^" + re.escape(k).replace(r"\{i\}", r"(\d+)") + "$"), v) for k, v in HF_TO_LOCAL.items()]
+
+
+def hf_to_local(name: str) -> str | None:
+    """Module parameter name for an HF tensor name, or None for tensors the runner does not use."""
+    for pattern, local in _HF_PATTERNS:
+        m = pattern.match(name)
+        if m:
+            return local.format(i=m.group(1)) if m.groups() else local
+    return None
+
+
+def load_transformer(
+    path: str | Path, config: dict[str, Any], device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> Transformer:
+    """Build the model and fill it from the folder's *.safetensors, one tensor at a time (`safe_open`),
+    so that a tensor-parallel loader can later read slices (`get_slice`) instead of whole tensors."""
+    args = LlamaArgs.from_hf(config)
+    with torch.device("meta"):
+        model = Transformer(args)
+    expected = {k for k in model.state_dict() if not (args.tie_embeddings and k == "output.weight")}
+    state: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(Path(path)):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                local = hf_to_local(name)
+                if local is None or local not in expected:
+                    continue  # e.g. rotary_emb.inv_freq, or lm_head.weight of a tied model
+                tensor = f.get_tensor(name)
+                want = model.get_parameter(local).shape
+                assert tensor.shape == want, f"{name}: shape {tuple(tensor.shape)} != expected {tuple(want)}"
+                state[local] = tensor.to(device=device, dtype=dtype)
+    missing = sorted(expected - state.keys())
+    if missing:
+        raise ValueError(f"weights missing from {path}: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if args.tie_embeddings:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    if args.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    return model.eval().requires_grad_(False)
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The folder's weight files, in index order when there is a `model.safetensors.index.json`."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / n for n in names]
+    return sorted(folder.glob("*.safetensors"))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Runner
+
+
+class LlamaCausalLM:
+    """`CausalLM` over a `Transformer`: owns the KV cache and the RoPE tables."""
+
+    def __init__(self, model: Transformer, info: ModelInfo) -> None:
+        self.model = model
+        self.info = info
+        self.args = model.args
+        p = model.tok_embeddings.weight
+        self.device, self.dtype = p.device, p.dtype
+        self.inv_freq = rope_inv_freq(self.args.head_dim, self.args.rope_theta, self.args.rope_scaling).to(self.device)
+        self.k_caches: list[torch.Tensor] = []  # per layer [num_slots, Hkv, max_len, D]
+        self.v_caches: list[torch.Tensor] = []
+        self._num_slots = 0
+        self._max_len = 0
+        self._cos = self._sin = torch.empty(0)
+
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    @property
+    def max_len(self) -> int:
+        return self._max_len
+
+    @torch.no_grad()
+    def allocate(self, num_slots: int, max_len: int) -> None:
+        assert num_slots >= 1 and max_len >= 1, f"need num_slots, max_len >= 1, got {num_slots}, {max_len}"
+        a = self.args
+        self.k_caches, self.v_caches = [], []  # free the old cache before allocating the new one
+        shape = (num_slots, a.n_kv_heads, max_len, a.head_dim)
+        for _ in range(a.n_layers):
+            self.k_caches.append(torch.zeros(shape, device=self.device, dtype=self.dtype))
+            self.v_caches.append(torch.zeros(shape, device=self.device, dtype=self.dtype))
+        self._num_slots, self._max_len = num_slots, max_len
+        # RoPE tables, computed exactly as HF does (float32 outer product, cos/sin, cast to the model dtype).
+        freqs = torch.arange(max_len, device=self.device).float()[:, None] * self.inv_freq[None, :]  # [L, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [L, D]
+        self._cos, self._sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k_caches + self.v_caches)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [B, T] int64
+        positions: torch.Tensor,  # [B] int64 position of tokens[:, 0]
+        slots: torch.Tensor,  # [B] int64 distinct cache slots
+        logits_from: int = 0,
+    ) -> torch.Tensor:  # [B, T - logits_from, V] float32
+        assert self._max_len > 0, "call allocate(num_slots, max_len) before forward"
+        assert tokens.dim() == 2, f"tokens must be [B, T], got {tuple(tokens.shape)}"
+        B, T = tokens.shape
+        assert positions.shape == (B,) and slots.shape == (B,), (
+            f"positions {tuple(positions.shape)} and slots {tuple(slots.shape)} must be [B={B}]"
+        )
+        assert 0 <= logits_from < T, f"logits_from must be in [0, {T}), got {logits_from}"
+        # The one host sync: how much of the cache the longest row reads.
+        kv_len = int(positions.max()) + T
+        assert kv_len <= self._max_len, f"positions + T = {kv_len} exceeds max_len {self._max_len}"
+        tokens, positions, slots = (t.to(self.device) for t in (tokens, positions, slots))
+
+        pos = positions[:, None] + torch.arange(T, device=self.device)  # [B, T]
+        cos = self._cos[pos].unsqueeze(2)  # [B, T, 1, D]
+        sin = self._sin[pos].unsqueeze(2)  # [B, T, 1, D]
+        key_pos = torch.arange(kv_len, device=self.device)  # [S]
+        mask = key_pos[None, None, :] <= pos[:, :, None]  # [B, T, S]
+        if self.args.sliding_window is not None:
+            mask &= key_pos[None, None, :] > pos[:, :, None] - self.args.sliding_window
+        mask = mask[:, None]  # [B, 1, T, S]
+
+        x = self.model.tok_embeddings(tokens)  # [B, T, C]
+        for layer, k_cache, v_cache in zip(self.model.layers, self.k_caches, self.v_caches):
+            x = layer(x, cos, sin, mask, k_cache, v_cache, slots, pos)
+        x = self.model.norm(x[:, logits_from:])  # [B, T', C]
+        return self.model.output(x).float()  # [B, T', V]
+
+    __call__ = forward
