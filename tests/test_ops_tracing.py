@@ -1,0 +1,137 @@
+"""deployments.tracing: off costs nothing; spans nest; context crosses a process boundary as a dict;
+OTLP export over HTTP and gRPC reaches a real receiver (ops.otlp_receiver decodes the protobufs)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from deployments import tracing
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def memory_exporter():
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    assert tracing.configure(exporter, service_name="test", simple=True)
+    yield exporter
+    tracing.disable()
+
+
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+
+
+def test_off_by_default_is_a_shared_noop_and_never_imports_the_sdk():
+    code = textwrap.dedent("""
+        import sys, time
+        from deployments import tracing
+        s = tracing.span("x", k=4)
+        assert s is tracing.NOOP_SPAN, s
+        with s as inner:
+            inner.set_attribute("a", 1)
+        assert tracing.inject() == {}
+        assert tracing.extract({"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}) is None
+        assert not tracing.enabled()
+        t = time.perf_counter()
+        for _ in range(100_000):
+            with tracing.span("step", k=4, accepted=3):
+                pass
+            tracing.inject()
+        per_call = (time.perf_counter() - t) / 100_000
+        leaked = [m for m in sys.modules if m.startswith("opentelemetry")]
+        print(per_call, leaked)
+        assert not leaked, leaked
+        assert per_call < 5e-6, per_call
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_clean_env(), capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
+def test_spans_nest_and_attributes_are_prefixed(memory_exporter):
+    with tracing.span("request", request_id="r1") as root:
+        with tracing.span("step", k=4, accepted=3, skipped=None, **{"db.system": "redis"}) as step:
+            tracing.set_attributes(step, step_latency_ms=1.5, replicas=("a", "b"))
+    spans = {s.name: s for s in memory_exporter.get_finished_spans()}
+    assert set(spans) == {"request", "step"}
+    assert spans["step"].parent.span_id == spans["request"].context.span_id
+    assert spans["step"].context.trace_id == root.get_span_context().trace_id
+    attrs = dict(spans["step"].attributes)
+    assert attrs == {"specserve.k": 4, "specserve.accepted": 3, "db.system": "redis",
+                     "specserve.step_latency_ms": 1.5, "specserve.replicas": ("a", "b")}
+    assert spans["request"].resource.attributes["service.name"] == "test"
+
+
+def test_context_crosses_a_boundary_as_a_plain_dict(memory_exporter):
+    """A thread starts with an empty context, as a Ray worker does: only the carrier links the spans."""
+    with tracing.span("coordinator.step") as parent:
+        carrier = tracing.inject()
+    assert set(carrier) == {"traceparent"}
+    assert isinstance(carrier["traceparent"], str)
+
+    def remote_call(trace):
+        with tracing.span("drafter.propose", parent=trace, replica="d0"):
+            pass
+        with tracing.span("orphan"):  # no carrier: a new trace
+            pass
+
+    t = threading.Thread(target=remote_call, args=(dict(carrier),))
+    t.start()
+    t.join()
+    spans = {s.name: s for s in memory_exporter.get_finished_spans()}
+    child = spans["drafter.propose"]
+    assert child.context.trace_id == parent.get_span_context().trace_id
+    assert child.parent.span_id == parent.get_span_context().span_id
+    assert child.parent.is_remote
+    assert spans["orphan"].parent is None
+    # HTTP headers come in any case.
+    ctx = tracing.extract({"TraceParent": carrier["traceparent"]})
+    from opentelemetry import trace
+
+    assert trace.get_current_span(ctx).get_span_context().trace_id == parent.get_span_context().trace_id
+
+
+def test_exception_marks_the_span_as_error(memory_exporter):
+    with pytest.raises(RuntimeError):
+        with tracing.span("verify"):
+            raise RuntimeError("cache miss")
+    (s,) = memory_exporter.get_finished_spans()
+    assert s.status.status_code.name == "ERROR"
+    assert s.events[0].name == "exception"
+
+
+@pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
+def test_otlp_export_from_the_environment_reaches_a_real_receiver(protocol):
+    """A separate process configured only by OTEL_* variables exports to the receiver."""
+    from ops.otlp_receiver import OTLPReceiver
+
+    with OTLPReceiver(grpc_port=0) as receiver:
+        endpoint = (receiver.http_endpoint if protocol == "http/protobuf"
+                    else f"http://127.0.0.1:{receiver.grpc_port}")
+        env = {**_clean_env(), "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+               "OTEL_EXPORTER_OTLP_PROTOCOL": protocol, "OTEL_SERVICE_NAME": "proc-a"}
+        code = textwrap.dedent("""
+            from deployments import tracing
+            with tracing.span("request", k=4):
+                with tracing.span("redis.get", **{"db.system": "redis"}):
+                    pass
+            tracing.force_flush()
+        """)
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        spans = receiver.wait_for(lambda s: len(s) >= 2, timeout=10)
+    by_name = {s["name"]: s for s in spans}
+    assert by_name["redis.get"]["parent_span_id"] == by_name["request"]["span_id"]
+    assert by_name["redis.get"]["trace_id"] == by_name["request"]["trace_id"]
+    assert by_name["request"]["attributes"] == {"specserve.k": 4}
+    assert by_name["request"]["resource"]["service.name"] == "proc-a"
