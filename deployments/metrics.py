@@ -1,0 +1,283 @@
+"""Prometheus metrics of speculative serving, and the small `record_*` functions the Serve layer calls.
+
+Backend, chosen per process when the first metric is touched:
+- inside Ray (a Serve replica, an actor, a driver after `ray.init`): `ray.serve.metrics`, exported by every
+  node's metrics agent (`ray start --metrics-export-port`), scraped by Prometheus through Ray's service
+  discovery file. Ray prefixes every name with `ray_` and, inside a replica, adds the `deployment`,
+  `replica` and `application` labels. Queue depth and replica counts of Serve itself come from Ray's own
+  `ray_serve_*` metrics (the Grafana dashboard in ops/ uses both).
+- outside Ray: `prometheus_client`, in its default registry (or one given to `use_registry`, for tests),
+  under the same names without the `ray_` prefix.
+
+Vocabulary (docs/ARCHITECTURE.md): per step a row proposes `num_draft` tokens, a prefix of `num_accepted`
+is accepted and one recovered or bonus token follows, so `emitted = num_accepted + 1`.
+    acceptance rate        = accepted_tokens_total / draft_tokens_total
+    mean accepted tokens   = emitted_tokens_total / steps_total   (tokens per target pass, Spec-Bench's "tau")
+    acceptance by position = draft_position_accepted_total{position=i} / draft_position_proposed_total{...}
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+# Seconds. From 0.5 ms (one compiled target pass on an H200 is ~6 ms, a Ray call ~1 ms) up to 60 s (TTFT).
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
+                   60.0)
+# Counts of tokens per step: boundaries between integers (Ray wants positive boundaries).
+COUNT_BUCKETS = tuple(i + 0.5 for i in range(17))
+MAX_POSITION_LABEL = 32  # draft positions beyond this share one label, keeping label cardinality bounded
+
+
+@dataclass(frozen=True)
+class _Def:
+    kind: str  # "counter" | "gauge" | "histogram"
+    description: str
+    tag_keys: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+
+# The metric catalogue. Names are what prometheus_client shows; Ray's export adds the `ray_` prefix.
+DEFS: dict[str, _Def] = {
+    "specserve_requests_total": _Def("counter", "Finished requests, by outcome.", ("status",)),
+    "specserve_prompt_tokens_total": _Def("counter", "Prompt tokens of finished requests."),
+    "specserve_generated_tokens_total": _Def("counter", "Tokens streamed to clients (rate() = tokens/s)."),
+    "specserve_steps_total": _Def("counter", "Target passes (steps), counted per request row."),
+    "specserve_draft_tokens_total": _Def("counter", "Draft tokens proposed to the target."),
+    "specserve_accepted_tokens_total": _Def("counter", "Draft tokens accepted by the target."),
+    "specserve_emitted_tokens_total": _Def("counter", "Tokens committed by steps: accepted + recovered/bonus."),
+    "specserve_draft_position_proposed_total": _Def(
+        "counter", "Draft tokens proposed at each draft position (0-based).", ("position",)),
+    "specserve_draft_position_accepted_total": _Def(
+        "counter", "Draft tokens accepted at each draft position (0-based).", ("position",)),
+    "specserve_accepted_tokens_per_step": _Def(
+        "histogram", "Accepted draft tokens per step and request row.", (), COUNT_BUCKETS),
+    "specserve_step_latency_seconds": _Def(
+        "histogram", "One speculation step of a batch (draft + verify + accept), at the coordinator.", (),
+        LATENCY_BUCKETS),
+    "specserve_draft_latency_seconds": _Def(
+        "histogram", "Drafting K tokens: 'call' is the round trip seen by the caller, 'compute' the "
+        "drafter replica's own time.", ("scope",), LATENCY_BUCKETS),
+    "specserve_verify_latency_seconds": _Def(
+        "histogram", "Verifying a draft on the target: 'call' is the round trip seen by the caller, "
+        "'compute' the target replica's own time.", ("scope",), LATENCY_BUCKETS),
+    "specserve_ttft_seconds": _Def("histogram", "Time to first token.", (), LATENCY_BUCKETS),
+    "specserve_inter_token_latency_seconds": _Def(
+        "histogram", "Gap between consecutive streamed chunks of a request.", (), LATENCY_BUCKETS),
+    "specserve_time_per_output_token_seconds": _Def(
+        "histogram", "Per request: (end - first token) / (tokens - 1).", (), LATENCY_BUCKETS),
+    "specserve_request_latency_seconds": _Def("histogram", "End-to-end request latency.", (),
+                                              LATENCY_BUCKETS),
+    "specserve_queue_depth": _Def("gauge", "Requests admitted but waiting for a batch slot."),
+    "specserve_active_requests": _Def("gauge", "Requests being decoded (holding a batch slot)."),
+}
+
+_lock = threading.Lock()
+_metrics: dict[str, Any] = {}
+_registry: Any = None  # prometheus_client registry in use; None: the default one
+
+
+def _in_ray() -> bool:
+    ray = sys.modules.get("ray")  # never import Ray just to find out
+    return ray is not None and ray.is_initialized()
+
+
+def use_registry(registry: Any) -> None:
+    """Use prometheus_client with this registry from now on (tests); forgets existing metric objects."""
+    global _registry
+    with _lock:
+        _registry = registry
+        _metrics.clear()
+
+
+def reset() -> None:
+    """Forget the metric objects (the next record re-creates them with the backend chosen then)."""
+    with _lock:
+        _metrics.clear()
+
+
+class _Adapter:
+    """One interface over a Ray or prometheus_client metric: inc / observe / set with a tags dict."""
+
+    __slots__ = ("_m", "_ray", "_labelled")
+
+    def __init__(self, metric: Any, ray_backend: bool, labelled: bool):
+        self._m, self._ray, self._labelled = metric, ray_backend, labelled
+
+    def _target(self, tags: dict[str, str] | None) -> Any:
+        return self._m.labels(**tags) if self._labelled else self._m
+
+    def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
+        if value == 0:
+            return  # Ray rejects zero increments; prometheus would record nothing anyway
+        if self._ray:
+            self._m.inc(value, tags=tags)
+        else:
+            self._target(tags).inc(value)
+
+    def observe(self, value: float, tags: dict[str, str] | None = None) -> None:
+        if self._ray:
+            self._m.observe(value, tags=tags)
+        else:
+            self._target(tags).observe(value)
+
+    def set(self, value: float, tags: dict[str, str] | None = None) -> None:
+        if self._ray:
+            self._m.set(value, tags=tags)
+        else:
+            self._target(tags).set(value)
+
+
+def _create(name: str) -> _Adapter:
+    d = DEFS[name]
+    if _in_ray():
+        from ray.serve import metrics as ray_metrics
+
+        if d.kind == "counter":
+            metric = ray_metrics.Counter(name, d.description, tag_keys=d.tag_keys)
+        elif d.kind == "gauge":
+            metric = ray_metrics.Gauge(name, d.description, tag_keys=d.tag_keys)
+        else:
+            metric = ray_metrics.Histogram(name, d.description, boundaries=list(d.buckets),
+                                           tag_keys=d.tag_keys)
+        return _Adapter(metric, True, bool(d.tag_keys))
+    import prometheus_client
+
+    kwargs: dict[str, Any] = {"labelnames": d.tag_keys}
+    if _registry is not None:
+        kwargs["registry"] = _registry
+    if d.kind == "counter":
+        # prometheus_client appends _total itself.
+        metric = prometheus_client.Counter(name.removesuffix("_total"), d.description, **kwargs)
+    elif d.kind == "gauge":
+        metric = prometheus_client.Gauge(name, d.description, **kwargs)
+    else:
+        metric = prometheus_client.Histogram(name, d.description, buckets=d.buckets, **kwargs)
+    return _Adapter(metric, False, bool(d.tag_keys))
+
+
+def get(name: str) -> _Adapter:
+    m = _metrics.get(name)
+    if m is None:
+        with _lock:
+            m = _metrics.get(name)
+            if m is None:
+                m = _metrics[name] = _create(name)
+    return m
+
+
+# -- what the Serve layer calls ---------------------------------------------------------------------------
+
+def record_step(num_draft: Sequence[int], num_accepted: Sequence[int], step_seconds: float | None = None,
+                ) -> None:
+    """One batched step: per request row, how many draft tokens were proposed and how many accepted.
+
+    Every row emits num_accepted + 1 tokens (the recovered or bonus token). Per-position counts are
+    aggregated over the batch first, so the cost is O(K) metric updates per step, not O(B*K).
+    """
+    assert len(num_draft) == len(num_accepted), f"{len(num_draft)} draft rows, {len(num_accepted)} accepted"
+    rows = len(num_draft)
+    if rows == 0:
+        return
+    max_k = max(num_draft)
+    proposed = [0] * (max_k + 1)  # proposed[i]: rows with a draft token at position i
+    accepted = [0] * (max_k + 1)
+    hist = get("specserve_accepted_tokens_per_step")
+    for k, n in zip(num_draft, num_accepted):
+        assert 0 <= n <= k, f"accepted {n} of {k} draft tokens"
+        proposed[k] += 1  # difference arrays: position i < k counts
+        accepted[n] += 1
+        hist.observe(n)
+    total_draft, total_accepted = sum(num_draft), sum(num_accepted)
+    get("specserve_steps_total").inc(rows)
+    get("specserve_draft_tokens_total").inc(total_draft)
+    get("specserve_accepted_tokens_total").inc(total_accepted)
+    get("specserve_emitted_tokens_total").inc(total_accepted + rows)
+    # Turn "rows whose count is exactly k" into "rows whose count is > i", from the top.
+    proposed_gt = accepted_gt = 0
+    by_label_p: dict[str, int] = {}
+    by_label_a: dict[str, int] = {}
+    for i in range(max_k, 0, -1):
+        proposed_gt += proposed[i]
+        accepted_gt += accepted[i]
+        label = str(min(i - 1, MAX_POSITION_LABEL))
+        by_label_p[label] = by_label_p.get(label, 0) + proposed_gt
+        by_label_a[label] = by_label_a.get(label, 0) + accepted_gt
+    position_proposed = get("specserve_draft_position_proposed_total")
+    position_accepted = get("specserve_draft_position_accepted_total")
+    for label, count in by_label_p.items():
+        position_proposed.inc(count, tags={"position": label})
+        position_accepted.inc(by_label_a[label], tags={"position": label})
+    if step_seconds is not None:
+        get("specserve_step_latency_seconds").observe(step_seconds)
+
+
+def record_draft_latency(seconds: float, scope: str = "call") -> None:
+    """scope: 'call' (round trip seen by the coordinator) or 'compute' (inside the drafter replica)."""
+    get("specserve_draft_latency_seconds").observe(seconds, tags={"scope": scope})
+
+
+def record_verify_latency(seconds: float, scope: str = "call") -> None:
+    """scope: 'call' (round trip seen by the coordinator) or 'compute' (inside the target replica)."""
+    get("specserve_verify_latency_seconds").observe(seconds, tags={"scope": scope})
+
+
+def set_queue_depth(waiting: int) -> None:
+    get("specserve_queue_depth").set(waiting)
+
+
+def set_active_requests(active: int) -> None:
+    get("specserve_active_requests").set(active)
+
+
+class RequestTimer:
+    """Per-request latency bookkeeping where tokens are streamed (ingress or coordinator).
+
+    TPOT is (last token - first token) / (tokens - 1); the request latency runs from creation to finish.
+
+        timer = metrics.RequestTimer(prompt_tokens=len(prompt))
+        for chunk in stream: timer.on_tokens(len(chunk)); yield chunk
+        timer.finish("ok")   # or "error", "cancelled", ...
+    """
+
+    __slots__ = ("_clock", "_start", "_first", "_last", "_tokens", "_prompt_tokens", "_done")
+
+    def __init__(self, prompt_tokens: int = 0, clock: Callable[[], float] = time.perf_counter):
+        self._clock = clock
+        self._start = clock()
+        self._first: float | None = None
+        self._last: float | None = None
+        self._tokens = 0
+        self._prompt_tokens = prompt_tokens
+        self._done = False
+
+    def on_tokens(self, count: int) -> None:
+        """`count` tokens were just sent to the client (one chunk)."""
+        if count <= 0:
+            return
+        now = self._clock()
+        if self._first is None:
+            self._first = now
+            get("specserve_ttft_seconds").observe(now - self._start)
+        else:
+            get("specserve_inter_token_latency_seconds").observe(now - self._last)
+        self._last = now
+        self._tokens += count
+        get("specserve_generated_tokens_total").inc(count)
+
+    def finish(self, status: str = "ok") -> None:
+        """Record the request's outcome once (later calls are ignored)."""
+        if self._done:
+            return
+        self._done = True
+        now = self._clock()
+        get("specserve_requests_total").inc(1, tags={"status": status})
+        get("specserve_request_latency_seconds").observe(now - self._start)
+        if self._prompt_tokens:
+            get("specserve_prompt_tokens_total").inc(self._prompt_tokens)
+        if self._tokens > 1:
+            per_token = (self._last - self._first) / (self._tokens - 1)
+            get("specserve_time_per_output_token_seconds").observe(per_token)

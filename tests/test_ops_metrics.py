@@ -1,0 +1,97 @@
+"""deployments.metrics with the prometheus_client backend: the values a scrape shows."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from deployments import metrics
+
+
+@pytest.fixture
+def scrape():
+    registry = CollectorRegistry()
+    metrics.use_registry(registry)
+
+    def read() -> dict[tuple, float]:
+        """{(sample name, sorted label items): value} from the exposition text, as Prometheus reads it."""
+        text = generate_latest(registry).decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    yield read
+    metrics.use_registry(None)
+
+
+def test_every_metric_name_is_valid_and_counters_end_in_total():
+    for name, d in metrics.DEFS.items():
+        assert name.startswith("specserve_")
+        assert (d.kind == "counter") == name.endswith("_total"), name
+        assert (d.kind == "histogram") == bool(d.buckets), name
+
+
+def test_record_step_counts_acceptance_overall_and_by_position(scrape):
+    # Three rows: K=4 with 4 accepted (bonus), K=4 with 1 accepted, K=2 (prompt lookup) with 0 accepted.
+    metrics.record_step([4, 4, 2], [4, 1, 0], step_seconds=0.012)
+    metrics.record_step([4], [2])
+    v = scrape()
+    assert v[("specserve_steps_total", ())] == 4
+    assert v[("specserve_draft_tokens_total", ())] == 14
+    assert v[("specserve_accepted_tokens_total", ())] == 7
+    assert v[("specserve_emitted_tokens_total", ())] == 11  # 7 accepted + one token per row
+    proposed = {i: v[("specserve_draft_position_proposed_total", (("position", str(i)),))] for i in range(4)}
+    accepted = {i: v[("specserve_draft_position_accepted_total", (("position", str(i)),))] for i in range(4)}
+    assert proposed == {0: 4, 1: 4, 2: 3, 3: 3}
+    assert accepted == {0: 3, 1: 2, 2: 1, 3: 1}
+    assert v[("specserve_accepted_tokens_per_step_count", ())] == 4
+    assert v[("specserve_accepted_tokens_per_step_sum", ())] == 7
+    assert v[("specserve_accepted_tokens_per_step_bucket", (("le", "0.5"),))] == 1  # the 0-accepted row
+    assert v[("specserve_step_latency_seconds_count", ())] == 1
+    assert v[("specserve_step_latency_seconds_sum", ())] == pytest.approx(0.012)
+
+
+def test_record_step_rejects_more_accepted_than_drafted(scrape):
+    with pytest.raises(AssertionError, match="accepted 3 of 2"):
+        metrics.record_step([2], [3])
+
+
+def test_request_timer_ttft_itl_tpot_and_tokens(scrape):
+    now = [100.0]
+    timer = metrics.RequestTimer(prompt_tokens=7, clock=lambda: now[0])
+    now[0] = 100.25
+    timer.on_tokens(1)  # TTFT 0.25
+    now[0] = 100.30
+    timer.on_tokens(3)  # gap 0.05
+    now[0] = 100.32
+    timer.on_tokens(0)  # nothing sent: ignored
+    now[0] = 100.40
+    timer.on_tokens(2)  # gap 0.10
+    now[0] = 100.50
+    timer.finish("ok")
+    timer.finish("error")  # once only
+    v = scrape()
+    assert v[("specserve_ttft_seconds_sum", ())] == pytest.approx(0.25)
+    assert v[("specserve_inter_token_latency_seconds_count", ())] == 2
+    assert v[("specserve_inter_token_latency_seconds_sum", ())] == pytest.approx(0.15)
+    assert v[("specserve_generated_tokens_total", ())] == 6
+    assert v[("specserve_prompt_tokens_total", ())] == 7
+    assert v[("specserve_requests_total", (("status", "ok"),))] == 1
+    assert ("specserve_requests_total", (("status", "error"),)) not in v
+    assert v[("specserve_request_latency_seconds_sum", ())] == pytest.approx(0.5)
+    assert v[("specserve_time_per_output_token_seconds_sum", ())] == pytest.approx(0.15 / 5)
+
+
+def test_latency_and_gauges(scrape):
+    metrics.record_draft_latency(0.004, scope="call")
+    metrics.record_draft_latency(0.003, scope="compute")
+    metrics.record_verify_latency(0.02)
+    metrics.set_queue_depth(5)
+    metrics.set_active_requests(3)
+    metrics.set_queue_depth(2)
+    v = scrape()
+    assert v[("specserve_draft_latency_seconds_count", (("scope", "call"),))] == 1
+    assert v[("specserve_draft_latency_seconds_count", (("scope", "compute"),))] == 1
+    assert v[("specserve_verify_latency_seconds_sum", (("scope", "call"),))] == pytest.approx(0.02)
+    assert v[("specserve_queue_depth", ())] == 2
+    assert v[("specserve_active_requests", ())] == 3
