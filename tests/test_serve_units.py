@@ -1,0 +1,220 @@
+"""Unit tests of the Serve layer's pure parts: config -> deployment options, protocol validation, SSE,
+and the Redis request store against a real (embedded) Redis server. No Ray here."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import pytest
+from pydantic import ValidationError
+
+from deployments import config as cfg
+from deployments.embedded_redis import EmbeddedRedis, RedisUnavailable, check_reachable
+from deployments.protocol import APIError, parse_request, resolve_max_tokens
+from deployments.redis_state import NotOwner, RequestStore
+from deployments.sse import DONE, format_event, parse_event_id, sse_stream
+
+
+# -- config -> options ------------------------------------------------------------------------------------
+
+def test_cpu_defaults_need_no_placement_group_and_claim_no_cpu():
+    opts = cfg.deployment_options(cfg.AppConfig(redis_url=None, drafter={"method": "model"}))
+    assert set(opts) == {cfg.TARGET, cfg.DRAFTER, cfg.COORDINATOR, cfg.INGRESS, cfg.EMBEDDED_REDIS}
+    for name, o in opts.items():
+        assert o["name"] == name
+        assert o["ray_actor_options"]["num_cpus"] == 0, name  # 2-core machines: nothing claims a CPU
+        assert "placement_group_bundles" not in o, name
+
+
+def test_gpu_target_with_tensor_parallelism_gets_one_packed_bundle_per_rank():
+    c = cfg.AppConfig(redis_url="redis://r:6379/0", target={
+        "tensor_parallel_size": 4,
+        "resources": {"num_replicas": 2, "num_gpus": 1, "num_cpus": 2, "accelerator_type": "H100"}})
+    o = cfg.deployment_options(c)[cfg.TARGET]
+    assert o["num_replicas"] == 2
+    assert o["placement_group_strategy"] == "STRICT_PACK"
+    assert o["placement_group_bundles"] == [{"CPU": 2, "GPU": 1, "accelerator_type:H100": 0.001}] * 4
+    assert o["ray_actor_options"] == {"num_cpus": 0}  # the host fits in bundle 0 without claiming
+    assert cfg.EMBEDDED_REDIS not in cfg.deployment_options(c)  # an external Redis is used
+
+
+def test_cheap_gpu_drafter_bundle_and_worker_options():
+    c = cfg.AppConfig(redis_url=None, drafter={"method": "model", "resources": {
+        "num_replicas": 3, "num_gpus": 1, "accelerator_type": "T4", "memory_gb": 2}})
+    o = cfg.deployment_options(c)[cfg.DRAFTER]
+    assert o["num_replicas"] == 3
+    assert o["placement_group_bundles"] == [{"GPU": 1, "accelerator_type:T4": 0.001, "memory": float(2 * 2**30)}]
+    w = cfg.worker_actor_options(c.drafter.resources, has_placement_group=True)
+    assert w["num_gpus"] == 1 and w["memory"] == 2 * 2**30 and "accelerator_type" not in w
+    w = cfg.worker_actor_options(c.drafter.resources, has_placement_group=False)
+    assert w["accelerator_type"] == "T4"
+
+
+def test_prompt_lookup_and_no_drafter_have_no_drafter_deployment():
+    for method in ("prompt_lookup", "none"):
+        assert cfg.DRAFTER not in cfg.deployment_options(cfg.AppConfig(drafter={"method": method}))
+
+
+def test_config_rejects_bad_values_clearly():
+    with pytest.raises(ValidationError, match="needs num_gpus > 0"):
+        cfg.Resources(accelerator_type="L4")
+    with pytest.raises(ValidationError, match="redis_url must start with"):
+        cfg.AppConfig(redis_url="localhost:6379")
+    with pytest.raises(ValidationError):
+        cfg.AppConfig(target={"tensor_parallel_size": 0})
+    with pytest.raises(ValidationError):
+        cfg.AppConfig(unknown_field=1)  # typos in a Serve config file are errors, not ignored
+    with pytest.raises(ValueError, match="needs num_cpus > 0"):
+        cfg.worker_bundles(cfg.Resources(), tensor_parallel_size=2)
+
+
+def test_redis_url_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("REDIS_URL", "redis://example:1/2")
+    assert cfg.AppConfig().redis_url == "redis://example:1/2"
+    monkeypatch.delenv("REDIS_URL")
+    assert cfg.AppConfig().redis_url is None
+
+
+# -- protocol ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"model": "m", "prompt": "x", "temperature": -0.1}, "temperature"),
+    ({"model": "m", "prompt": "x", "top_p": 0}, "top_p"),
+    ({"model": "m", "prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"model": "m", "prompt": "x", "n": 2}, "n"),
+    ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
+    ({"model": "m", "prompt": [1, -2]}, "prompt"),
+    ({"model": "m"}, "prompt"),
+    ({"model": "m", "prompt": "x", "speculation": {"num_draft_tokens": 65}}, "speculation.num_draft_tokens"),
+    ({"model": "m", "prompt": "x", "stop": ["", "a"]}, "stop"),
+    ({"model": "m", "prompt": "x", "presence_penalty": 1.0}, "presence_penalty"),
+])
+def test_bad_completion_requests_are_400_naming_the_parameter(body, param):
+    with pytest.raises(APIError) as e:
+        parse_request("completion", body)
+    assert e.value.status == 400 and e.value.param == param
+    assert set(e.value.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_chat_request_needs_messages_and_maps_max_completion_tokens():
+    with pytest.raises(APIError):
+        parse_request("chat", {"model": "m", "messages": []})
+    with pytest.raises(APIError):
+        parse_request("chat", [1, 2])
+    req = parse_request("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                 "max_completion_tokens": 7, "temperature": 0})
+    assert req.effective_max_tokens() == 7
+    sp = req.sampling_params(7)
+    assert sp.greedy and sp.seed is not None  # a seed is always fixed, so the run can be replayed
+
+
+def test_spec_params_extension():
+    req = parse_request("completion", {"model": "m", "prompt": "x", "speculation": {"num_draft_tokens": 6}})
+    assert req.spec_params(4, 64, has_drafter=True).num_draft_tokens == 6
+    assert req.spec_params(4, 64, has_drafter=False).num_draft_tokens == 0
+    req = parse_request("completion", {"model": "m", "prompt": "x", "speculation": {"drafter": False}})
+    assert req.spec_params(4, 64, has_drafter=True).num_draft_tokens == 0
+
+
+def test_context_checks():
+    assert resolve_max_tokens(None, 10, 64) == 54
+    assert resolve_max_tokens(54, 10, 64) == 54
+    with pytest.raises(APIError) as e:
+        resolve_max_tokens(55, 10, 64)
+    assert e.value.param == "max_tokens" and e.value.code == "context_length_exceeded"
+    with pytest.raises(APIError) as e:
+        resolve_max_tokens(1, 64, 64)
+    assert e.value.param == "prompt"
+
+
+# -- SSE --------------------------------------------------------------------------------------------------
+
+def test_sse_format_and_event_ids():
+    assert format_event({"a": 1}, "r:3") == 'id: r:3\ndata: {"a":1}\n\n'
+    assert parse_event_id("cmpl-x:12") == ("cmpl-x", 12)
+    assert parse_event_id("cmpl-x") == ("cmpl-x", -1)
+    with pytest.raises(APIError):
+        parse_event_id("cmpl-x:abc")
+
+
+def test_sse_stream_ends_with_done_even_after_an_error():
+    async def events():
+        yield "r:0", {"x": 1}
+        raise APIError("boom", 400)
+
+    async def collect():
+        return [c async for c in sse_stream(events())]
+
+    chunks = asyncio.run(collect())
+    assert chunks[0].startswith("id: r:0\n")
+    assert json.loads(chunks[1][len("data: "):])["error"]["message"] == "boom"
+    assert chunks[-1] == DONE
+
+
+# -- Redis ------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def redis_server():
+    with EmbeddedRedis() as server:
+        yield server
+
+
+def test_unreachable_redis_is_a_clear_error():
+    with pytest.raises(RedisUnavailable, match="redis://127.0.0.1:1/0 is unreachable"):
+        check_reachable("redis://127.0.0.1:1/0", timeout_s=0.5)
+
+
+def _state(rid):
+    return {"request_id": rid, "prompt_ids": [5, 6, 7], "params": {"temperature": 0.5, "seed": 9, "stop": []},
+            "eos_token_ids": [2], "output_ids": [], "step": 0, "finish_reason": None,
+            "stats": {"drafted": 0}, "emitted_chars": 0}
+
+
+def test_request_store_commit_fencing_take_over_and_ttl(redis_server):
+    async def run():
+        store = RequestStore.from_url(redis_server.url, namespace=f"t{uuid.uuid4().hex[:6]}", ttl_s=60)
+        rid = "cmpl-1"
+        await store.create(rid, "A", _state(rid), kind="completion", model="m")
+        with pytest.raises(ValueError):
+            await store.create(rid, "A", _state(rid), kind="completion", model="m")
+        assert await store.commit(rid, "A", 0, 1, [10, 11], 3, None, {"drafted": 2}, {"i": 0, "text": "abc"}) == 2
+        with pytest.raises(NotOwner):  # a stale step counter is refused
+            await store.commit(rid, "A", 0, 1, [12], 4, None, {}, None)
+        # B takes over: A is fenced out from now on, whatever it still tries.
+        got = await store.take_over(rid, "B")
+        assert got.output_ids == [10, 11] and got.step == 1 and got.kind == "completion"
+        with pytest.raises(NotOwner):
+            await store.commit(rid, "A", 1, 2, [12], 4, None, {}, None)
+        await store.commit(rid, "B", 1, 2, [12], 4, "stop", {"drafted": 3}, {"i": 1, "text": "d"})
+        got = await store.load(rid)
+        assert got.finished and got.state_dict()["output_ids"] == [10, 11, 12]
+        assert got.state_dict()["finish_reason"] == "stop" and got.json("stats") == {"drafted": 3}
+        assert [e["i"] for e in await store.events(rid, 1)] == [1]
+        assert 0 < await store.ttl(rid) <= 60
+        for key in store.keys(rid):
+            assert 0 < await store.client.ttl(key) <= 60, key
+        assert await store.take_over("nope", "B") is None
+        await store.close()
+
+    asyncio.run(run())
+
+
+def test_state_dict_round_trips_into_the_pipeline_request_state(redis_server):
+    from pipeline.config import SamplingParams
+    from pipeline.sequence import RequestState
+
+    async def run():
+        store = RequestStore.from_url(redis_server.url, namespace=f"t{uuid.uuid4().hex[:6]}")
+        st = RequestState("cmpl-2", [1, 2, 3], SamplingParams(temperature=0.7, seed=5, stop=("x",)), (2,))
+        await store.create("cmpl-2", "A", st.to_dict(), kind="completion")
+        st.commit([7, 8], 3, 1)
+        await store.commit("cmpl-2", "A", 0, st.step, [7, 8], 0, None, st.to_dict()["stats"], None)
+        back = RequestState.from_dict((await store.load("cmpl-2")).state_dict())
+        assert back.output_ids == [7, 8] and back.step == 1 and back.params == st.params
+        assert back.stats.drafted == 3 and back.stats.accepted == 1
+        await store.close()
+
+    asyncio.run(run())
