@@ -1,0 +1,130 @@
+"""`load_model`: a model folder (or .gguf file, or the demo name) -> a `CausalLM` runner and its tokenizer.
+
+The Llama-family fast path (`llama.py`) is picked when the config's model_type is llama/mistral/qwen2 and
+every feature it uses is supported; anything else runs on the generic HF runner (`hf_generic.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.models import store
+from pipeline.models.base import CausalLM, ModelInfo
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}: expected one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def model_folder(path: str | Path | None) -> Path:
+    """Resolve `path` (folder, .gguf file, demo name or None) to a checked model folder."""
+    folder = store.resolve(None if path is None else str(path))
+    if not (folder / "config.json").exists():
+        raise ValueError(f"not a model folder (no config.json): {path}")
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+        raise ValueError(f"no weights (*.safetensors or *.bin) in model folder: {path}")
+    return folder
+
+
+def load_tokenizer(path: str | Path | None):  # -> transformers.PreTrainedTokenizerBase | None
+    """The folder's `AutoTokenizer`, or None when the folder has no tokenizer files (tiny test models)."""
+    from transformers import AutoTokenizer
+
+    folder = model_folder(path)
+    if not any((folder / f).exists() for f in _TOKENIZER_FILES):
+        log.info("no tokenizer files in %s", folder)
+        return None
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def load_model(
+    path: str | Path | None, device: str | torch.device = "cpu", dtype: str | torch.dtype = "float32"
+) -> tuple[CausalLM, Any]:
+    """Load a model runner and its tokenizer (None if the folder has none).
+
+    `path`: an HF folder (config.json + *.safetensors), a `.gguf` file (converted once through the
+    store), or None / `store.DEMO_TARGET` for the demo model. Call `allocate()` on the runner before use.
+    """
+    from transformers import AutoConfig
+
+    torch_dtype = parse_dtype(dtype)
+    folder = model_folder(path)
+    device = torch.device(device)
+    config = AutoConfig.from_pretrained(folder)
+    config_dict = config.to_dict()
+    tokenizer = load_tokenizer(folder)
+
+    from pipeline.models.llama import FAST_PATH_MODEL_TYPES, unsupported_reason
+
+    reason = unsupported_reason(config_dict)
+    if reason is None and not any(folder.glob("*.safetensors")):
+        reason = "no *.safetensors weights"
+    if config_dict.get("model_type") in FAST_PATH_MODEL_TYPES and reason is not None:
+        log.warning("%s: Llama fast path not usable (%s); using the generic HF runner", folder.name, reason)
+
+    if reason is None:
+        from pipeline.models.llama import LlamaCausalLM, load_transformer
+
+        model = load_transformer(folder, config_dict, device=device, dtype=torch_dtype)
+        vocab_size = model.output.weight.shape[0]
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(device)
+        vocab_size = model.get_output_embeddings().weight.shape[0]
+
+    info = ModelInfo(
+        name=folder.name,
+        path=str(folder),
+        vocab_size=vocab_size,
+        eos_token_ids=eos_token_ids(folder, config_dict, tokenizer),
+        max_position_embeddings=int(getattr(config, "max_position_embeddings", 0) or 0),
+        architecture=(config_dict.get("architectures") or [type(model).__name__])[0],
+        num_parameters=sum(p.numel() for p in model.parameters()),  # shared (tied) tensors counted once
+        fast_path=reason is None,
+    )
+    if reason is None:
+        runner: CausalLM = LlamaCausalLM(model, info)
+    else:
+        from pipeline.models.hf_generic import HFGenericCausalLM
+
+        runner = HFGenericCausalLM(model, info)
+    log.info("loaded %s (%s, %.1fM params, %s, fast_path=%s)", info.name, info.architecture,
+             info.num_parameters / 1e6, torch_dtype, info.fast_path)
+    return runner, tokenizer
+
+
+def eos_token_ids(folder: Path, config: dict[str, Any], tokenizer: Any = None) -> tuple[int, ...]:
+    """Union, in order, of the EOS ids of generation_config.json, config.json and the tokenizer."""
+    found: list[int] = []
+
+    def add(value: Any) -> None:
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, int) and v not in found:
+                found.append(v)
+
+    gen_file = folder / "generation_config.json"
+    if gen_file.exists():
+        add(json.loads(gen_file.read_text()).get("eos_token_id"))
+    add(config.get("eos_token_id"))
+    if tokenizer is not None:
+        add(getattr(tokenizer, "eos_token_id", None))
+    return tuple(found)
