@@ -123,7 +123,8 @@ class RequestState:
         """Enable text output and stop strings; replays already committed tokens."""
         self._detok = IncrementalDetokenizer(tokenizer, self.prompt_ids)
         for t in self.output_ids:
-            self._detok.push(t)
+            if self.params.ignore_eos or t not in self.eos_token_ids:
+                self._detok.push(t)
 
     # -- the one mutation --------------------------------------------------------------------------
     def commit(self, tokens: Sequence[int], num_draft: int, num_accepted: int) -> tuple[list[int], str]:
@@ -138,9 +139,10 @@ class RequestState:
         for tok in tokens:
             committed.append(tok)
             self.output_ids.append(tok)
-            if self._detok is not None:
+            is_eos = tok in self.eos_token_ids and not self.params.ignore_eos
+            if self._detok is not None and not is_eos:  # EOS is never text
                 self._detok.push(tok)
-            if tok in self.eos_token_ids and not self.params.ignore_eos:
+            if is_eos:
                 self.finish_reason = "stop"
             elif self._stop_string_hit():
                 self.finish_reason = "stop"

@@ -1,0 +1,188 @@
+"""The engine end to end on tiny random models: greedy equals Hugging Face, seeds reproduce, batches equal
+single runs, stopping rules hold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pipeline.config import EngineConfig, SamplingParams, SpecParams
+from pipeline.drafters import ModelDrafter, PromptLookupDrafter
+from pipeline.engine import SpeculativeEngine
+from pipeline.models.loader import load_model
+from pipeline.sequence import RequestState
+
+PROMPTS = [[5, 17, 33, 17, 33, 9], [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [100, 7]]
+MAX_NEW = 24
+
+
+def _hf_greedy(path: str, prompt: list[int], max_new: int) -> list[int]:
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+def _engine(target_path: str, drafter: str | None, batch: int = 4) -> SpeculativeEngine:
+    target, _ = load_model(target_path)
+    if drafter == "lookup":
+        d = PromptLookupDrafter()
+    elif drafter is None:
+        d = None
+    else:
+        d = ModelDrafter(load_model(drafter)[0])
+    return SpeculativeEngine(target, None, d, EngineConfig(max_batch_size=batch, max_seq_len=128))
+
+
+@pytest.fixture(scope="module")
+def hf_reference(tiny_models):
+    cache = {}
+
+    def get(name: str, prompt_index: int) -> list[int]:
+        key = (name, prompt_index)
+        if key not in cache:
+            cache[key] = _hf_greedy(str(tiny_models[name]), PROMPTS[prompt_index], MAX_NEW)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("target", ["llama", "llama_mha_tied", "qwen2"])
+@pytest.mark.parametrize("drafter", ["draft", "self", "lookup", None])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_equals_hf_generate(tiny_models, hf_reference, target, drafter, k):
+    draft_path = {"draft": str(tiny_models["draft"]), "self": str(tiny_models[target]), "lookup": "lookup", None: None}[drafter]
+    engine = _engine(str(tiny_models[target]), draft_path)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    # Unbatched, then all prompts in one batch: both must equal HF token for token.
+    for i, prompt in enumerate(PROMPTS):
+        got = engine.generate(prompt, params, SpecParams(num_draft_tokens=k))
+        assert got.token_ids == hf_reference(target, i), f"prompt {i} (unbatched)"
+    batch = engine.generate_batch(PROMPTS, params, SpecParams(num_draft_tokens=k))
+    for i, got in enumerate(batch):
+        assert got.token_ids == hf_reference(target, i), f"prompt {i} (batched)"
+    if drafter == "self":  # the target drafting for itself is always right: K+1 tokens per pass
+        s = batch[0].stats
+        assert s["acceptance_rate"] == 1.0 and s["target_passes"] == -(-MAX_NEW // (k + 1))
+
+
+def test_sampled_output_reproducible_and_batch_invariant(tiny_models):
+    engine = _engine(str(tiny_models["llama"]), str(tiny_models["draft"]))
+    params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, seed=s, ignore_eos=True) for s in (11, 12, 13)]
+    spec = SpecParams(num_draft_tokens=3)
+    singles = [engine.generate(p, q, spec).token_ids for p, q in zip(PROMPTS, params)]
+    again = [engine.generate(p, q, spec).token_ids for p, q in zip(PROMPTS, params)]
+    batched = [r.token_ids for r in engine.generate_batch(PROMPTS, params, spec)]
+    assert singles == again == batched
+    other = engine.generate(PROMPTS[0], SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, seed=99, ignore_eos=True), spec)
+    assert other.token_ids != singles[0], "a different seed should give a different sample"
+
+
+def test_unseeded_request_reports_its_seed_and_replays(tiny_models):
+    engine = _engine(str(tiny_models["llama"]), "lookup")
+    first = engine.generate(PROMPTS[1], SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True))
+    replay = engine.generate(PROMPTS[1], SamplingParams(temperature=1.0, max_tokens=16, seed=first.seed, ignore_eos=True))
+    assert replay.token_ids == first.token_ids
+
+
+def test_more_requests_than_slots(tiny_models):
+    engine = _engine(str(tiny_models["llama"]), str(tiny_models["draft"]), batch=2)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    prompts = PROMPTS * 2
+    results = engine.generate_batch(prompts, params, SpecParams(num_draft_tokens=2))
+    single = [engine.generate(p, params, SpecParams(num_draft_tokens=2)).token_ids for p in prompts]
+    assert [r.token_ids for r in results] == single
+
+
+def test_max_tokens_never_exceeded_and_eos_stops(tiny_models):
+    engine = _engine(str(tiny_models["llama"]), str(tiny_models["llama"]))  # accepts everything: K+1 per pass
+    for max_tokens in (1, 2, 5, 7):
+        r = engine.generate(PROMPTS[0], SamplingParams(max_tokens=max_tokens, ignore_eos=True), SpecParams(4))
+        assert len(r.token_ids) == max_tokens and r.finish_reason == "length"
+    full = engine.generate(PROMPTS[0], SamplingParams(max_tokens=12, ignore_eos=True), SpecParams(4)).token_ids
+    eos = full[6]
+    first = full.index(eos)
+    engine.target.info = type(engine.target.info)(**{**engine.target.info.__dict__, "eos_token_ids": (eos,)})
+    r = engine.generate(PROMPTS[0], SamplingParams(max_tokens=12), SpecParams(4))
+    assert r.token_ids == full[: first + 1] and r.finish_reason == "stop"
+
+
+def test_stream_yields_every_token_once(tiny_models):
+    engine = _engine(str(tiny_models["llama"]), "lookup")
+    params = SamplingParams(max_tokens=15, ignore_eos=True)
+    streamed = []
+    for event in engine.stream(PROMPTS[1], params, SpecParams(3)):
+        streamed += event.token_ids
+        if event.finished:
+            assert event.result is not None and event.result.token_ids == streamed
+    assert len(streamed) == 15
+
+
+def test_abandoned_stream_frees_its_slot(tiny_models):
+    engine = _engine(str(tiny_models["llama"]), str(tiny_models["draft"]), batch=1)
+    it = engine.stream(PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True), SpecParams(2))
+    next(it)
+    it.close()  # the client went away
+    assert engine.generate(PROMPTS[1], SamplingParams(max_tokens=3)).token_ids  # the only slot is free again
+
+
+# ---- stopping on text, with a character-level tokenizer at the seam -------------------------------------
+
+
+class CharTokenizer:
+    """token id = ord(char); enough for RequestState's text handling."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def _state(stop=(), max_tokens=50, eos=()):
+    s = RequestState("r", [ord(c) for c in "> "], SamplingParams(max_tokens=max_tokens, stop=stop, seed=0), eos)
+    s.attach_tokenizer(CharTokenizer())
+    return s
+
+
+def _commit_text(state, chunks):
+    out = []
+    for chunk in chunks:
+        if state.finished:
+            break
+        ids, text = state.commit([ord(c) for c in chunk], len(chunk) - 1, len(chunk) - 1)
+        out.append(text)
+    return "".join(out)
+
+
+def test_stop_string_inside_an_accepted_block_truncates():
+    s = _state(stop=("END",))
+    streamed = _commit_text(s, ["hel", "lo E", "NDxyz", "more"])
+    assert s.finish_reason == "stop" and s.text == "hello " and streamed == "hello "
+    assert "".join(chr(t) for t in s.output_ids) == "hello END"  # nothing after the stop is committed
+
+
+def test_stop_prefix_is_held_back_until_resolved():
+    s = _state(stop=("END",))
+    assert _commit_text(s, ["ab E"]) == "ab "  # "E" might start "END"
+    assert _commit_text(s, ["X"]) == "EX"  # it did not
+
+
+def test_eos_and_max_tokens_in_the_same_block():
+    s = _state(eos=(ord("!"),))
+    _commit_text(s, ["hi!there"])
+    assert s.finish_reason == "stop" and s.text == "hi" and len(s.output_ids) == 3
+    s = _state(max_tokens=4)
+    _commit_text(s, ["abcdefgh"])
+    assert s.finish_reason == "length" and s.output_ids == [ord(c) for c in "abcd"]
+
+
+def test_state_roundtrips_through_a_dict():
+    s = _state(stop=("END",))
+    _commit_text(s, ["abc", "de"])
+    t = RequestState.from_dict(s.to_dict(), CharTokenizer())
+    assert t.output_ids == s.output_ids and t.step == s.step == 2 and t.text == s.text
+    assert _commit_text(t, ["fEND"]) == "f" and t.finished
+
+
+def test_prompt_lookup_finds_most_recent_continuation():
+    d = PromptLookupDrafter(max_ngram=2)
+    assert d.lookup([1, 2, 3, 9, 1, 2, 4, 7, 1, 2], 3) == [4, 7, 1]
+    assert d.lookup([1, 2, 3], 3) == []
