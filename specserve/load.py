@@ -280,9 +280,9 @@ def speculation_totals(records: Sequence[RequestRecord]) -> dict[str, Any] | Non
     for r in records:
         if not r.ok or not r.speculation:
             continue
-        d = _spec_get(r.speculation, "draft_tokens", "drafted_tokens", "num_draft_tokens_total")
-        a = _spec_get(r.speculation, "accepted_tokens", "num_accepted_tokens")
-        s = _spec_get(r.speculation, "steps", "target_passes", "num_steps")
+        d = _spec_get(r.speculation, "drafted", "draft_tokens")
+        a = _spec_get(r.speculation, "accepted", "accepted_tokens")
+        s = _spec_get(r.speculation, "target_passes", "steps")
         if d is None or a is None:
             continue
         seen += 1
@@ -291,13 +291,34 @@ def speculation_totals(records: Sequence[RequestRecord]) -> dict[str, Any] | Non
         steps += s or 0
     if not seen:
         return None
-    out: dict[str, Any] = {"requests": seen, "draft_tokens": drafted, "accepted_tokens": accepted,
+    out: dict[str, Any] = {"requests": seen, "drafted": drafted, "accepted": accepted,
                            "acceptance_rate": accepted / drafted if drafted else None}
     if steps:
-        out["steps"] = steps
+        out["target_passes"] = steps
         # Tokens per target pass: accepted + one recovered/bonus token per step.
         out["mean_accepted_tokens"] = (accepted + steps) / steps
+    by_position = acceptance_by_position(records)
+    if by_position:
+        out["acceptance_by_position"] = by_position
     return out
+
+
+def acceptance_by_position(records: Sequence[RequestRecord]) -> list[float] | None:
+    """Mean over requests of each request's acceptance rate at draft position i (server's
+    `acceptance_by_position`); a request counts at the positions it drafted."""
+    sums: list[float] = []
+    counts: list[int] = []
+    for r in records:
+        rates = (r.speculation or {}).get("acceptance_by_position") if r.ok else None
+        if not isinstance(rates, list):
+            continue
+        for i, rate in enumerate(rates):
+            if i == len(sums):
+                sums.append(0.0)
+                counts.append(0)
+            sums[i] += float(rate)
+            counts[i] += 1
+    return [s / c for s, c in zip(sums, counts)] or None
 
 
 def per_request_acceptance(records: Sequence[RequestRecord]) -> tuple[list[float], list[float]]:
@@ -305,9 +326,9 @@ def per_request_acceptance(records: Sequence[RequestRecord]) -> tuple[list[float
     for r in records:
         if not r.ok or not r.speculation:
             continue
-        d = _spec_get(r.speculation, "draft_tokens", "drafted_tokens", "num_draft_tokens_total")
-        a = _spec_get(r.speculation, "accepted_tokens", "num_accepted_tokens")
-        s = _spec_get(r.speculation, "steps", "target_passes", "num_steps")
+        d = _spec_get(r.speculation, "drafted", "draft_tokens")
+        a = _spec_get(r.speculation, "accepted", "accepted_tokens")
+        s = _spec_get(r.speculation, "target_passes", "steps")
         if d:
             rates.append(a / d)
         if s:
@@ -410,7 +431,7 @@ def write_plots(records: Sequence[RequestRecord], out_dir: Path) -> list[Path]:
     save(fig, "tokens_per_s.png")
 
     rates, taus = per_request_acceptance(records)
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
     if rates:
         ax1.hist(rates, bins=20, range=(0, 1), color="tab:green", alpha=0.8)
     ax1.set_xlabel("accepted / drafted")
@@ -420,6 +441,13 @@ def write_plots(records: Sequence[RequestRecord], out_dir: Path) -> list[Path]:
         ax2.hist(taus, bins=20, color="tab:orange", alpha=0.8)
     ax2.set_xlabel("tokens per target pass")
     ax2.set_title("Mean accepted tokens per request")
+    by_position = acceptance_by_position(records)
+    if by_position:
+        ax3.bar(range(len(by_position)), by_position, color="tab:purple", alpha=0.8)
+        ax3.set_ylim(0, 1)
+    ax3.set_xlabel("draft position")
+    ax3.set_ylabel("acceptance rate")
+    ax3.set_title("Acceptance by draft position (mean over requests)")
     if not rates:
         ax1.text(0.5, 0.5, "no speculation stats", ha="center", va="center", transform=ax1.transAxes)
     save(fig, "acceptance.png")

@@ -58,7 +58,8 @@ class FakeServer:
                         yield f"data: {json.dumps(ev)}\n\n"
                     tail = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 10,
                                                      "total_tokens": 15},
-                            "speculation": {"draft_tokens": 12, "accepted_tokens": 6, "steps": 4}}
+                            "speculation": {"drafted": 12, "accepted": 6, "target_passes": 4,
+                                            "acceptance_by_position": [0.75, 0.5, 0.25]}}
                     yield f"data: {json.dumps(tail)}\n\n"
                     yield "data: [DONE]\n\n"
                 finally:
@@ -116,6 +117,7 @@ def test_load_summary_counts_latencies_and_speculation(server, tmp_path):
     spec = summary["speculation"]
     assert spec["acceptance_rate"] == pytest.approx(0.5)
     assert spec["mean_accepted_tokens"] == pytest.approx((6 + 4) / 4)
+    assert spec["acceptance_by_position"] == pytest.approx([0.75, 0.5, 0.25])
     body = server.bodies[-1]
     assert body["stream"] and body["speculation"] == {"num_draft_tokens": 3} and body["max_tokens"] == 10
 
