@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable
 
-SPECSERVE_IMPORT_PATH = "deployments.app:build_app"
+SPECSERVE_IMPORT_PATHS = ("deployments.app:app_builder", "deployments.app:build_app")
 LOCAL_NODE_TYPE = "local.cluster.node"
 
 
@@ -231,7 +231,7 @@ def check(serve: str | Path | dict[str, Any], cluster: str | Path | dict[str, An
 
     for i, app in enumerate(raw.get("applications") or []):
         where = f"applications[{i}]"
-        if app.get("import_path") != SPECSERVE_IMPORT_PATH:
+        if app.get("import_path") not in SPECSERVE_IMPORT_PATHS:
             continue
         try:
             config = _app_config(app, where)
