@@ -40,7 +40,8 @@ return redis.call('LLEN', KEYS[2])
 # KEYS: meta, ids, events. ARGV: new owner, ttl. Returns the new epoch, or -1 if the request is unknown.
 _TAKE_OVER = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'status', 'running')
+redis.call('HSET', KEYS[1], 'owner', ARGV[1])
+if redis.call('HGET', KEYS[1], 'status') == 'cancelled' then redis.call('HSET', KEYS[1], 'status', 'running') end
 for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
 return redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 """

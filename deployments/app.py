@@ -1,0 +1,71 @@
+"""The application builder: `build_app(config) -> serve.Application`.
+
+Plain classes become deployments here, with options from the pure `deployment_options(config)`:
+
+    EmbeddedRedis (only without redis_url)  <- Coordinator, Ingress
+    Target  <- Coordinator                     (control calls; the hot loop calls the workers directly)
+    Drafter <- Coordinator                     (only with drafter.method == "model")
+    Coordinator <- Ingress (HTTP, FastAPI)
+
+`serve run deployments.app:app_builder` / a Serve config file with `import_path: deployments.app:app_builder`
+and `args:` (the fields of AppConfig) use `app_builder`; see deployments/serve_config.yaml.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+from ray import serve
+from ray.serve import Application
+
+from deployments.config import (
+    COORDINATOR, DRAFTER, EMBEDDED_REDIS, INGRESS, TARGET, AppConfig, deployment_options,
+)
+
+
+class RedisServer:
+    """Serve replica owning the embedded redis-server process (dev / single-node; use REDIS_URL in prod)."""
+
+    def __init__(self) -> None:
+        import ray
+
+        from deployments.embedded_redis import EmbeddedRedis
+
+        self.server = EmbeddedRedis(host=ray.util.get_node_ip_address()).start()
+
+    async def url(self) -> str:
+        return self.server.url
+
+    async def check_health(self) -> None:
+        if not self.server.running:
+            raise RuntimeError("embedded redis-server exited")
+
+    def __del__(self) -> None:
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.stop()
+
+
+def build_app(config: Union[AppConfig, dict[str, Any], None] = None) -> Application:
+    from deployments.coordinator import Coordinator
+    from deployments.drafter_replica import DrafterServer
+    from deployments.ingress import make_ingress
+    from deployments.target_replica import TargetServer
+
+    cfg = config if isinstance(config, AppConfig) else AppConfig.model_validate(config or {})
+    if cfg.redis_url is not None:
+        from deployments.embedded_redis import check_reachable
+
+        check_reachable(cfg.redis_url)  # a clear error now, not a replica stuck in a restart loop
+    opts = deployment_options(cfg)
+    args = cfg.model_dump(mode="json")
+    redis = serve.deployment(RedisServer, **opts[EMBEDDED_REDIS]).bind() if EMBEDDED_REDIS in opts else None
+    target = serve.deployment(TargetServer, **opts[TARGET]).bind(args)
+    drafter = serve.deployment(DrafterServer, **opts[DRAFTER]).bind(args) if DRAFTER in opts else None
+    coordinator = serve.deployment(Coordinator, **opts[COORDINATOR]).bind(args, target, drafter, redis)
+    return serve.deployment(make_ingress(), **opts[INGRESS]).bind(args, coordinator, redis)
+
+
+def app_builder(args: AppConfig) -> Application:
+    """For `serve run` / `serve deploy`: Serve validates the config file's `args:` into an AppConfig."""
+    return build_app(args)

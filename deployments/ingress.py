@@ -1,0 +1,321 @@
+"""The OpenAI-compatible HTTP ingress (FastAPI on Serve).
+
+Routes are a table (`ENDPOINTS`) applied to a plain class by `make_ingress` (the Ray Serve LLM pattern).
+A request is validated and tokenized here, then streamed from a coordinator as per-step events; the same
+event stream feeds SSE chunks (`stream: true`) and the aggregated JSON response.
+
+Coordinator loss: the event stream is resumed on another coordinator replica from the last delivered
+event index (`Coordinator.resume`); events are deduplicated by index, and the resumed coordinator
+regenerates unpersisted steps identically from (seed, step). Client reconnects: a POST with header
+`Last-Event-ID: {request_id}:{index}` streams the events after `index`: from Redis, then, if the request is
+not finished (its work was cancelled when the client went away), newly generated ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import types
+import typing
+import uuid
+from typing import Any, AsyncIterator, Callable, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deployments.config import AppConfig
+from deployments.protocol import (
+    APIError, chat_chunk, completion_chunk, full_response, models_list, now, parse_request,
+    resolve_max_tokens, usage, usage_chunk,
+)
+from deployments.redis_state import RequestStore
+from deployments.sse import event_id, parse_event_id, sse_stream
+
+logger = logging.getLogger(__name__)
+
+try:
+    from deployments import metrics
+except ImportError:  # pragma: no cover
+    metrics = None  # type: ignore[assignment]
+
+MAX_FAILOVERS = 5  # coordinator losses one request survives
+
+
+class OpenAIIngress:
+    async def __init__(self, config: dict[str, Any], coordinator: Any, redis: Any = None) -> None:
+        self.cfg = AppConfig.model_validate(config)
+        self.coord = coordinator
+        info = await coordinator.model_info.remote()
+        self.info = info
+        self.model_name = self.cfg.served_model_name or info["name"]
+        self.max_seq_len = int(info["max_seq_len"])
+        self.vocab_size = int(info["vocab_size"])
+        self.has_drafter = info["drafter"] != "none"
+        self.tokenizer = None
+        if info["has_tokenizer"]:
+            from pipeline.models.loader import load_tokenizer
+
+            self.tokenizer = load_tokenizer(info["path"])
+        url = self.cfg.redis_url or await redis.url.remote()
+        self.store = RequestStore.from_url(url, self.cfg.redis_namespace, self.cfg.request_ttl_s)
+        self.created = now()
+
+    # -- routes ----------------------------------------------------------------------------------------
+    async def health(self) -> JSONResponse:
+        return JSONResponse({"status": "ok", "model": self.model_name})
+
+    async def models(self) -> JSONResponse:
+        return JSONResponse(models_list(self.model_name, self.created, self.max_seq_len))
+
+    async def completions(self, request: Request):
+        return await self._handle("completion", request)
+
+    async def chat_completions(self, request: Request):
+        return await self._handle("chat", request)
+
+    # -- handling ----------------------------------------------------------------------------------------
+    async def _handle(self, kind: str, request: Request):
+        try:
+            body = await self._read_json(request)
+            last_event_id = request.headers.get("last-event-id")
+            if last_event_id:
+                return await self._resume(kind, last_event_id)
+            req = parse_request(kind, body)
+            if req.model != self.model_name:
+                raise APIError(f"The model '{req.model}' does not exist; this server serves "
+                               f"'{self.model_name}'", 404, param="model", code="model_not_found")
+            if req.stop and self.tokenizer is None:
+                raise APIError("stop strings need a tokenizer; this model has none", param="stop",
+                               code="unsupported")
+            prompt_ids = self._encode(kind, req)
+            max_tokens = resolve_max_tokens(
+                req.max_tokens if kind == "completion" else req.effective_max_tokens(), len(prompt_ids),
+                self.max_seq_len)
+            params = req.sampling_params(max_tokens)
+            spec = req.spec_params(self.cfg.speculation.num_draft_tokens, self.cfg.speculation.draft_top_k,
+                                   self.has_drafter)
+        except APIError as err:
+            return JSONResponse(err.body(), status_code=err.status)
+
+        rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        payload = {
+            "request_id": rid, "kind": kind, "model": self.model_name, "created": now(),
+            "prompt_ids": prompt_ids,
+            "params": {**params.__dict__, "stop": list(params.stop)},
+            "spec": {"num_draft_tokens": spec.num_draft_tokens, "draft_top_k": spec.draft_top_k},
+        }
+        events = self._events(rid, lambda: self.coord.options(stream=True).generate.remote(payload))
+        timer = metrics.RequestTimer(len(prompt_ids)) if metrics is not None else None
+        if req.stream:
+            chunks = self._chunks(kind, rid, payload["created"], events, req.include_usage, timer)
+            return StreamingResponse(sse_stream(chunks), media_type="text/event-stream",
+                                     headers={"X-Request-Id": rid, "Cache-Control": "no-cache"})
+        return await self._aggregate(kind, rid, payload["created"], events, timer)
+
+    async def _read_json(self, request: Request) -> Any:
+        limit = self.cfg.ingress.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise APIError(f"request body of {declared} bytes exceeds the limit of {limit} bytes", 413,
+                           code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(f"request body exceeds the limit of {limit} bytes", 413, code="request_too_large")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        if not raw.strip():
+            if request.headers.get("last-event-id"):
+                return {}
+            raise APIError("the request body is empty; expected a JSON object", code="invalid_json")
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise APIError(f"malformed JSON body: {err}", code="invalid_json") from None
+
+    def _encode(self, kind: str, req: Any) -> list[int]:
+        if kind == "completion":
+            if isinstance(req.prompt, list):
+                bad = [t for t in req.prompt if t >= self.vocab_size]
+                if bad:
+                    raise APIError(f"token id {bad[0]} is outside the vocabulary (size {self.vocab_size})",
+                                   param="prompt", code="invalid_value")
+                return list(req.prompt)
+            if self.tokenizer is None:
+                raise APIError("this model has no tokenizer: send the prompt as a list of token ids",
+                               param="prompt", code="unsupported")
+            return list(self.tokenizer(req.prompt)["input_ids"])
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise APIError("this model has no chat template: use /v1/completions", param="messages",
+                           code="unsupported")
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    async def _resume(self, kind: str, last_event_id: str) -> Any:
+        rid, after = parse_event_id(last_event_id)
+        stored = await self.store.load(rid)
+        if stored is None:
+            raise APIError(f"unknown or expired request id {rid!r}", 404, param="Last-Event-ID",
+                           code="request_not_found")
+        if stored.kind != kind:
+            raise APIError(f"request {rid} is a {stored.kind} request; resume it on its own endpoint",
+                           param="Last-Event-ID", code="invalid_value")
+        if stored.finished:
+            events = self._stored_events(rid, after)
+        else:
+            events = self._events(rid, lambda: self.coord.options(stream=True).resume.remote(rid, after), after)
+        created = int(stored.fields.get("created", now()))
+        chunks = self._chunks(kind, rid, created, events, True, None)
+        return StreamingResponse(sse_stream(chunks), media_type="text/event-stream",
+                                 headers={"X-Request-Id": rid, "Cache-Control": "no-cache"})
+
+    async def _stored_events(self, rid: str, after: int) -> AsyncIterator[dict]:
+        for ev in await self.store.events(rid, after + 1):
+            yield ev
+
+    async def _events(self, rid: str, start: Callable[[], Any], after: int = -1) -> AsyncIterator[dict]:
+        """Events of one request from a coordinator, surviving coordinator loss (dedup by index)."""
+        from ray.exceptions import ActorUnavailableError, RayActorError
+
+        delivered = after
+        stream = start()
+        failovers = 0
+        try:
+            while True:
+                try:
+                    async for ev in stream:
+                        if "error" in ev:
+                            e = ev["error"]
+                            raise APIError(e["message"], ev.get("status", 500), e.get("type", "server_error"),
+                                           e.get("param"), e.get("code"))
+                        if ev["i"] <= delivered:
+                            continue
+                        delivered = ev["i"]
+                        yield ev
+                        if ev.get("finish"):
+                            return
+                    return
+                except (RayActorError, ActorUnavailableError) as err:
+                    failovers += 1
+                    if failovers > MAX_FAILOVERS:
+                        raise APIError("the coordinators kept failing", 503, "server_error",
+                                       code="coordinator_unavailable") from err
+                    logger.warning("coordinator lost during %s (%s); resuming after event %d", rid,
+                                   type(err).__name__, delivered)
+                    await asyncio.sleep(0.1 * failovers)
+                    stream = self.coord.options(stream=True).resume.remote(rid, delivered)
+        finally:
+            stream.cancel()  # client gone or done: stop the coordinator's loop for this request
+
+    async def _chunks(
+        self, kind: str, rid: str, created: int, events: AsyncIterator[dict], include_usage: bool, timer: Any
+    ) -> AsyncIterator[tuple[Optional[str], dict]]:
+        model = self.model_name
+        status = "error"
+        try:
+            if kind == "chat":
+                yield None, chat_chunk(rid, created, model, "", None, first=True)
+            async for ev in events:
+                if kind == "completion":
+                    chunk = completion_chunk(rid, created, model, ev["text"], ev.get("finish"))
+                else:
+                    chunk = chat_chunk(rid, created, model, ev["text"], ev.get("finish"))
+                chunk["choices"][0]["token_ids"] = ev["ids"]
+                if timer is not None:
+                    timer.on_tokens(len(ev["ids"]))
+                yield event_id(rid, ev["i"]), chunk
+                if ev.get("finish") and include_usage and "usage" in ev:
+                    u = ev["usage"]
+                    yield None, usage_chunk(kind, rid, created, model, usage(u["prompt_tokens"], u["completion_tokens"]),
+                                            ev.get("speculation", {}))
+            status = "ok"
+        except asyncio.CancelledError:
+            status = "cancelled"
+            raise
+        finally:
+            if timer is not None:
+                timer.finish(status)
+
+    async def _aggregate(self, kind: str, rid: str, created: int, events: AsyncIterator[dict], timer: Any):
+        text, ids, finish, last = [], [], None, {}
+        try:
+            async for ev in events:
+                text.append(ev["text"])
+                ids += ev["ids"]
+                if timer is not None:
+                    timer.on_tokens(len(ev["ids"]))
+                finish, last = ev.get("finish"), ev
+        except APIError as err:
+            if timer is not None:
+                timer.finish("error")
+            return JSONResponse(err.body(), status_code=err.status)
+        if timer is not None:
+            timer.finish("ok")
+        u = last.get("usage", {"prompt_tokens": 0, "completion_tokens": len(ids)})
+        body = full_response(kind, rid, created, self.model_name, "".join(text), finish,
+                             usage(u["prompt_tokens"], u["completion_tokens"]), last.get("speculation", {}))
+        body["choices"][0]["token_ids"] = ids
+        return JSONResponse(body, headers={"X-Request-Id": rid})
+
+
+# -- the route table and the FastAPI app ---------------------------------------------------------------------
+
+ENDPOINTS: dict[str, Callable[[FastAPI], Callable]] = {
+    "health": lambda app: app.get("/health"),
+    "models": lambda app: app.get("/v1/models"),
+    "completions": lambda app: app.post("/v1/completions"),
+    "chat_completions": lambda app: app.post("/v1/chat/completions"),
+}
+
+
+def make_fastapi_app() -> FastAPI:
+    app = FastAPI(title="specserve", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, err: APIError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(APIError(str(err.detail), err.status_code, code=str(err.status_code)).body(),
+                            status_code=err.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
+        return JSONResponse(APIError(str(err), 400).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, err: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return JSONResponse(APIError(f"internal error: {type(err).__name__}", 500, "internal_error",
+                                     code="internal_error").body(), status_code=500)
+
+    return app
+
+
+def make_ingress(cls: type = OpenAIIngress, app: Optional[FastAPI] = None) -> type:
+    """Apply the route table to a subclass of `cls` and wrap it with `serve.ingress`."""
+    from ray import serve
+
+    app = app or make_fastapi_app()
+    routed = {name: route(app)(_fresh_copy(getattr(cls, name))) for name, route in ENDPOINTS.items()}
+    new_cls = type(cls.__name__, (cls,), routed)
+    new_cls.__qualname__ = cls.__qualname__
+    return serve.ingress(app)(new_cls)
+
+
+def _fresh_copy(fn: Callable) -> Callable:
+    """A copy of a function, so that it is pickled by value: Serve rewrites the route's signature (to inject
+    `self`) on the function object, and a function pickled by reference would lose that in the replica."""
+    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__qualname__, copy.__module__, copy.__doc__ = fn.__qualname__, fn.__module__, fn.__doc__
+    # Resolved annotations (this module uses `from __future__ import annotations`): FastAPI must see the
+    # class `Request`, and the by-value copy's globals in the replica hold only the names its code uses.
+    copy.__annotations__ = typing.get_type_hints(fn)
+    return copy

@@ -1,0 +1,224 @@
+"""Target replicas: a Serve host plus a worker actor that holds the target model and its KV-cache slots.
+
+The worker verifies draft blocks (`pipeline.rejection.verify`) and returns O(K) numbers per request:
+acceptance probabilities and one pre-drawn recovered/bonus token per position. Concurrent requests'
+calls are batched into one target pass (`StepBatcher`).
+
+Cache protocol, per request: a call feeds `[pending] + draft` at absolute position `start`; the worker's
+cache must hold the request's committed tokens at positions [0, start). It knows it does when it fed this
+request up to at least `start` before (rejected tokens beyond are simply overwritten: rollback is free).
+Otherwise the call must carry `prefix` (the committed tokens [0, start)), which the worker prefills first;
+without it the answer is CACHE_MISS and the coordinator resends with the prefix (replica restarted,
+request moved after a failure, or slot evicted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from deployments.batching import StepBatcher
+from deployments.config import TARGET, AppConfig
+from deployments.workers import CACHE_MISS, spawn_workers
+
+logger = logging.getLogger(__name__)
+
+CACHE_SLACK = 72  # positions past max_seq_len: K+1 verify tokens and padding (as pipeline.engine)
+
+
+@dataclass
+class VerifyRow:
+    """One request's part of a target pass (what crosses the network: ids and sparse probabilities)."""
+
+    request_id: str
+    start: int  # absolute position of the pending token
+    tokens: list[int]  # [pending] + draft (1 + num_draft ids)
+    params: Any  # pipeline.config.SamplingParams (seed fixed)
+    step: int  # the request's target-pass counter (randomness key)
+    top_ids: Any = None  # [num_draft, k] int64 tensor: the draft's sparse support, or None (point masses)
+    top_probs: Any = None  # [num_draft, k] float32 tensor
+    prefix: Optional[list[int]] = None  # committed tokens [0, start) when the cache may lack them
+
+
+class TargetWorker:
+    """Holds one target model (one tensor-parallel rank) and serves batched verify calls."""
+
+    def __init__(
+        self, model: Optional[str], max_batch_size: int, max_seq_len: int, device: str = "cpu",
+        dtype: str = "float32", torch_threads: int = 1, batch_wait_ms: float = 1.0,
+        rank: int = 0, world_size: int = 1,
+    ) -> None:
+        import torch
+
+        if world_size != 1:
+            raise NotImplementedError(
+                "tensor_parallel_size > 1 needs the tensor-parallel runner (its own issue); the deployment "
+                "already reserves one bundle per rank"
+            )
+        torch.set_num_threads(torch_threads)
+        from pipeline.models.loader import load_model
+
+        self.model, _ = load_model(model, device=device, dtype=dtype)
+        max_seq_len = min(max_seq_len, self.model.info.max_position_embeddings or max_seq_len)
+        self.max_seq_len = max_seq_len
+        self.model.allocate(max_batch_size, max_seq_len + CACHE_SLACK)
+        self.device = torch.device(device)
+        self.num_slots = max_batch_size
+        self._slots: OrderedDict[str, int] = OrderedDict()  # request id -> slot, least recently used first
+        self._fed: dict[str, int] = {}  # request id -> positions [0, fed) written by its calls
+        self._free = list(range(max_batch_size - 1, -1, -1))
+        self.batcher = StepBatcher(self._run_batch, max_batch_size, batch_wait_ms, name="target")
+        self.compute_s = 0.0
+
+    # -- calls -------------------------------------------------------------------------------------------
+    async def info(self) -> dict[str, Any]:
+        i = self.model.info
+        return {"name": i.name, "path": i.path, "vocab_size": i.vocab_size, "eos_token_ids": list(i.eos_token_ids),
+                "max_seq_len": self.max_seq_len, "num_slots": self.num_slots}
+
+    async def ping(self) -> bool:
+        return True
+
+    async def stats(self) -> dict[str, Any]:
+        return {"batches": self.batcher.batches, "rows": self.batcher.rows, "compute_s": self.compute_s,
+                "slots_used": len(self._slots)}
+
+    async def verify(self, row: VerifyRow, trace: Optional[dict] = None) -> dict[str, Any]:
+        """-> {"accept_probs": [num_draft] floats, "target_tokens": [num_draft + 1] ids} or CACHE_MISS."""
+        return await self.batcher.submit(row.request_id, row)
+
+    async def release(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            self.batcher.forget(rid)
+            slot = self._slots.pop(rid, None)
+            self._fed.pop(rid, None)
+            if slot is not None:
+                self._free.append(slot)
+
+    # -- the pass (worker thread) ------------------------------------------------------------------------
+    def _slot_for(self, rid: str, pinned: set[str]) -> int:
+        if rid in self._slots:
+            self._slots.move_to_end(rid)
+            return self._slots[rid]
+        if not self._free:  # evict the least recently used request not in this pass; it will replay
+            victim = next(r for r in self._slots if r not in pinned)
+            self._free.append(self._slots.pop(victim))
+            self._fed.pop(victim, None)
+            logger.info("evicted %s from its KV-cache slot", victim)
+        self._slots[rid] = self._free.pop()
+        return self._slots[rid]
+
+    def _run_batch(self, rows: Sequence[VerifyRow]) -> list[Any]:
+        import torch
+
+        from pipeline.rejection import DraftBlock, verify
+        from pipeline.sampling import SamplingTensors
+
+        t0 = time.perf_counter()
+        results: list[Any] = [None] * len(rows)
+        live: list[int] = []
+        pinned = {r.request_id for r in rows}
+        with torch.inference_mode():
+            for b, r in enumerate(rows):
+                if r.prefix is not None:
+                    assert len(r.prefix) == r.start, f"prefix has {len(r.prefix)} tokens, start is {r.start}"
+                    slot = self._slot_for(r.request_id, pinned)
+                    if r.start > 0:  # prefill: no logits needed but the last (cheapest legal choice)
+                        tokens = torch.tensor([r.prefix], dtype=torch.int64, device=self.device)
+                        self.model.forward(tokens, torch.zeros(1, dtype=torch.int64, device=self.device),
+                                           torch.tensor([slot], device=self.device), r.start - 1)
+                    self._fed[r.request_id] = r.start
+                elif self._fed.get(r.request_id, -1) < r.start:
+                    results[b] = CACHE_MISS
+                    continue
+                live.append(b)
+            if live:
+                outs = self._verify_rows([rows[b] for b in live], pinned, torch, DraftBlock, verify, SamplingTensors)
+                for b, out in zip(live, outs):
+                    results[b] = out
+        self.compute_s += time.perf_counter() - t0
+        return results
+
+    def _verify_rows(self, rows, pinned, torch, DraftBlock, verify, SamplingTensors) -> list[dict[str, Any]]:
+        B = len(rows)
+        K = max(len(r.tokens) - 1 for r in rows)
+        dev = self.device
+        tokens = torch.zeros(B, K + 1, dtype=torch.int64)
+        num_draft = torch.zeros(B, dtype=torch.int64)
+        for b, r in enumerate(rows):
+            tokens[b, : len(r.tokens)] = torch.tensor(r.tokens, dtype=torch.int64)
+            num_draft[b] = len(r.tokens) - 1
+        slots = torch.tensor([self._slot_for(r.request_id, pinned) for r in rows], dtype=torch.int64)
+        positions = torch.tensor([r.start for r in rows], dtype=torch.int64)
+        logits = self.model.forward(tokens.to(dev), positions.to(dev), slots.to(dev))  # [B, K+1, V]
+        for r in rows:
+            self._fed[r.request_id] = max(self._fed.get(r.request_id, 0), r.start + len(r.tokens))
+        top_ids = top_probs = None
+        if K > 0 and any(r.top_ids is not None for r in rows):
+            top_ids, top_probs = _pad_sparse(rows, K, torch)
+        draft = DraftBlock(tokens[:, 1:].contiguous(), num_draft, top_ids, top_probs).to(dev)
+        sampling = SamplingTensors.from_params([r.params for r in rows], dev)
+        steps = torch.tensor([r.step for r in rows], dtype=torch.int64, device=dev)
+        out = verify(logits, draft, sampling, steps)
+        accept_probs = out.accept_probs.cpu().tolist()
+        target_tokens = out.target_tokens.cpu().tolist()
+        return [{"accept_probs": accept_probs[b][: len(r.tokens) - 1],
+                 "target_tokens": target_tokens[b][: len(r.tokens)]} for b, r in enumerate(rows)]
+
+
+def _pad_sparse(rows: Sequence[VerifyRow], K: int, torch) -> tuple[Any, Any]:
+    """Stack per-row sparse draft distributions into [B, K, k]. Rows without probabilities become point
+    masses; short rows are padded with copies of their first entry (same id, same probability), which
+    leaves the scattered dense distribution unchanged."""
+    k = max((r.top_ids.shape[-1] for r in rows if r.top_ids is not None), default=1)
+    B = len(rows)
+    ids = torch.zeros(B, K, k, dtype=torch.int64)
+    probs = torch.zeros(B, K, k, dtype=torch.float32)
+    for b, r in enumerate(rows):
+        n = len(r.tokens) - 1
+        if n == 0:
+            continue
+        if r.top_ids is None:
+            row_ids = torch.tensor(r.tokens[1:], dtype=torch.int64)[:, None]  # [n, 1]
+            row_probs = torch.ones(n, 1)
+        else:
+            row_ids, row_probs = r.top_ids[:n].to(torch.int64), r.top_probs[:n].float()
+        kk = row_ids.shape[-1]
+        ids[b, :n, :kk], probs[b, :n, :kk] = row_ids, row_probs
+        if kk < k:
+            ids[b, :n, kk:] = row_ids[:, :1]
+            probs[b, :n, kk:] = row_probs[:, :1]
+    return ids, probs
+
+
+class TargetServer:
+    """The Serve replica of the target deployment: starts the workers, answers control calls, health."""
+
+    async def __init__(self, config: dict[str, Any]) -> None:
+        cfg = AppConfig.model_validate(config)
+        t = cfg.target
+        self.workers = spawn_workers(
+            TargetWorker, TARGET, t.resources, t.tensor_parallel_size,
+            model=t.model, max_batch_size=t.max_batch_size, max_seq_len=t.max_seq_len, device=t.device,
+            dtype=t.dtype, torch_threads=t.resources.torch_threads, batch_wait_ms=t.batch_wait_ms,
+        )
+        self._info = await self.workers[0].info.remote()  # waits for the model to load
+
+    async def info(self) -> dict[str, Any]:
+        return self._info
+
+    async def check_health(self) -> None:
+        await asyncio.wait_for(asyncio.gather(*[w.ping.remote() for w in self.workers]), 20.0)
+
+    def __del__(self) -> None:
+        import ray
+
+        for w in getattr(self, "workers", []):
+            try:
+                ray.kill(w)
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass

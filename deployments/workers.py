@@ -1,0 +1,130 @@
+"""Worker actors behind the Serve replicas, and how the coordinator finds and calls them.
+
+Each drafter/target Serve replica (a *host*) starts its worker actors as named Ray actors:
+    namespace "specserve-workers", name "{app}:{role}:{replica id}:{rank}"
+Workers are owned by their host, so they die with it (Ray fate-sharing) and Serve's restart of a replica
+brings up new ones. The coordinator lists the named actors to find the live workers of its app and calls
+rank 0 directly: one plain actor call per step (0.8 ms here) instead of a Serve handle call (2.5 ms).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Optional
+
+import ray
+
+from deployments.config import Resources, worker_actor_options
+
+logger = logging.getLogger(__name__)
+
+WORKER_NAMESPACE = "specserve-workers"
+CACHE_MISS = "cache_miss"  # a worker's answer when it lacks a request's committed tokens
+
+
+def worker_name(app: str, role: str, replica_id: str, rank: int = 0) -> str:
+    return f"{app}:{role}:{replica_id}:{rank}"
+
+
+def spawn_workers(
+    worker_cls: type, role: str, resources: Resources, world_size: int, **init_kwargs: Any
+) -> list[Any]:
+    """Start `world_size` worker actors for the calling Serve replica, in its placement group if any."""
+    from ray import serve
+    from ray.util.placement_group import get_current_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    ctx = serve.get_replica_context()
+    pg = get_current_placement_group()
+    remote_cls = ray.remote(worker_cls)
+    workers = []
+    for rank in range(world_size):
+        opts = worker_actor_options(resources, has_placement_group=pg is not None)
+        if pg is not None:
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=rank,
+                placement_group_capture_child_tasks=True,
+            )
+        name = worker_name(ctx.app_name, role, ctx.replica_id.unique_id, rank)
+        workers.append(remote_cls.options(name=name, namespace=WORKER_NAMESPACE, max_restarts=0, **opts)
+                       .remote(rank=rank, world_size=world_size, **init_kwargs))
+    return workers
+
+
+class WorkerPool:
+    """The live rank-0 workers of one role, as seen by one coordinator, with its own load counts."""
+
+    def __init__(self, app: str, role: str, refresh_s: float = 2.0) -> None:
+        self.prefix = f"{app}:{role}:"
+        self.refresh_s = refresh_s
+        self.handles: dict[str, Any] = {}
+        self.load: dict[str, int] = {}  # requests this coordinator has placed on each worker
+        self._dead: dict[str, float] = {}  # name -> when it failed (ignored while Ray still lists it)
+        self._listed_at = 0.0
+        self._lock = asyncio.Lock()
+
+    async def refresh(self, force: bool = False) -> None:
+        async with self._lock:
+            if not force and time.monotonic() - self._listed_at < self.refresh_s:
+                return
+            listed = await asyncio.to_thread(ray.util.list_named_actors, all_namespaces=True)
+            names = sorted(a["name"] for a in listed
+                           if a["namespace"] == WORKER_NAMESPACE and a["name"].startswith(self.prefix)
+                           and a["name"].endswith(":0"))
+            now = time.monotonic()
+            self._dead = {n: t for n, t in self._dead.items() if now - t < 30.0 and n in names}
+            handles = {}
+            for name in names:
+                if name in self._dead:
+                    continue
+                handle = self.handles.get(name)
+                if handle is None:
+                    try:
+                        handle = ray.get_actor(name, namespace=WORKER_NAMESPACE)
+                    except ValueError:  # died between listing and lookup
+                        continue
+                handles[name] = handle
+            self.handles = handles
+            self._listed_at = now
+
+    async def pick(self, prefer: Optional[str] = None) -> Optional[tuple[str, Any]]:
+        """The preferred worker if alive, else the least loaded one; None if there is none."""
+        await self.refresh()
+        if prefer and prefer in self.handles:
+            return prefer, self.handles[prefer]
+        if not self.handles:
+            return None
+        name = min(self.handles, key=lambda n: (self.load.get(n, 0), n))
+        return name, self.handles[name]
+
+    async def wait_pick(self, timeout_s: float, prefer: Optional[str] = None) -> Optional[tuple[str, Any]]:
+        """pick(), retrying while Serve brings replicas (back) up."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            got = await self.pick(prefer)
+            if got is not None or time.monotonic() >= deadline:
+                return got
+            await asyncio.sleep(0.25)
+            await self.refresh(force=True)
+
+    def mark_dead(self, name: str) -> None:
+        logger.warning("worker %s is gone; using another", name)
+        self._dead[name] = time.monotonic()
+        self.handles.pop(name, None)
+        self.load.pop(name, None)
+
+    def acquire(self, name: str) -> None:
+        self.load[name] = self.load.get(name, 0) + 1
+
+    def release(self, name: str) -> None:
+        if self.load.get(name, 0) > 0:
+            self.load[name] -= 1
+
+
+def is_actor_lost(err: BaseException) -> bool:
+    """Errors that mean the worker process is gone or unreachable (as opposed to a bug in a call)."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+    return isinstance(err, (ActorDiedError, ActorUnavailableError, RayActorError, asyncio.TimeoutError))
