@@ -1,0 +1,97 @@
+"""Helpers for the Serve tests: one local Ray cluster + Serve instance per test session (started on first
+use, stopped at exit), SSE parsing, and finding/killing replicas. Not a conftest: the serve test modules
+import it explicitly."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import time
+from typing import Any, Iterator, Optional
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+_PORT: Optional[int] = None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_serve() -> str:
+    """Start Ray (2 CPUs, no dashboard) and Serve once; returns the HTTP base URL."""
+    global _PORT
+    import ray
+    from ray import serve
+
+    if _PORT is None:
+        if not ray.is_initialized():
+            ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+        _PORT = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": _PORT})
+
+        def _stop() -> None:
+            try:
+                serve.shutdown()
+            finally:
+                ray.shutdown()
+
+        atexit.register(_stop)
+    return f"http://127.0.0.1:{_PORT}"
+
+
+def run_app(app: Any, name: str) -> str:
+    """Deploy `app` under /{name}; returns its base URL (ending without a slash)."""
+    from ray import serve
+
+    base = ensure_serve()
+    serve.run(app, name=name, route_prefix=f"/{name}")
+    return f"{base}/{name}"
+
+
+def redis_url(app_name: str) -> str:
+    from ray import serve
+
+    return serve.get_deployment_handle("EmbeddedRedis", app_name).url.remote().result()
+
+
+def replica_actor(app: str, deployment: str, replica_id: str):
+    import ray
+
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["name"].endswith(f"{app}#{deployment}#{replica_id}"):
+            return ray.get_actor(a["name"], namespace=a["namespace"])
+    raise LookupError(f"no replica {replica_id} of {app}/{deployment}")
+
+
+def sse_events(lines: Iterator[str]) -> Iterator[tuple[Optional[str], Any]]:
+    """(event id, parsed data) per SSE event; data "[DONE]" is yielded as the string."""
+    eid, data = None, []
+    for line in lines:
+        if line.startswith("id: "):
+            eid = line[4:]
+        elif line.startswith("data: "):
+            data.append(line[6:])
+        elif line == "" and data:
+            payload = "\n".join(data)
+            yield eid, payload if payload == "[DONE]" else json.loads(payload)
+            eid, data = None, []
+    if data:
+        payload = "\n".join(data)
+        yield eid, payload if payload == "[DONE]" else json.loads(payload)
+
+
+def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = predicate()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not met in time")
+        time.sleep(interval_s)
