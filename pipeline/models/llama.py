@@ -93,7 +93,7 @@ def _rope_params(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         return theta, None
-    scaling = {**params, "rope_type": rope_type}
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type")} | {"rope_type": rope_type}
     scaling.setdefault("original_max_position_embeddings", config.get("max_position_embeddings"))
     return theta, scaling
 
@@ -199,8 +199,8 @@ class Attention(nn.Module):
         # Advanced indices split by a slice put their broadcast dims first: the target is [B, T, Hkv, D].
         k_cache[slots[:, None], :, pos] = k
         v_cache[slots[:, None], :, pos] = v
-        keys = k_cache[slots, :, :S]  # [B, Hkv, S, D]
-        values = v_cache[slots, :, :S]  # [B, Hkv, S, D]
+        keys = k_cache[:, :, :S].index_select(0, slots)  # [B, Hkv, S, D]
+        values = v_cache[:, :, :S].index_select(0, slots)  # [B, Hkv, S, D]
         y = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads
         )  # [B, H, T, D]
@@ -235,7 +235,8 @@ class Transformer(nn.Module):
     def __init__(self, a: LlamaArgs) -> None:
         super().__init__()
         self.args = a
-        self.tok_embeddings = nn.Embedding(a.vocab_size, a.dim)
+        # `_weight` skips the random init (normal_ on the meta device costs seconds of first-time imports).
+        self.tok_embeddings = nn.Embedding(a.vocab_size, a.dim, _weight=torch.empty(a.vocab_size, a.dim))
         self.layers = nn.ModuleList(Block(a) for _ in range(a.n_layers))
         self.norm = RMSNorm(a.dim, a.norm_eps)
         self.output = nn.Linear(a.dim, a.vocab_size, bias=False)

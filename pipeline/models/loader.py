@@ -63,13 +63,12 @@ def load_model(
     `path`: an HF folder (config.json + *.safetensors), a `.gguf` file (converted once through the
     store), or None / `store.DEMO_TARGET` for the demo model. Call `allocate()` on the runner before use.
     """
-    from transformers import AutoConfig
-
     torch_dtype = parse_dtype(dtype)
     folder = model_folder(path)
     device = torch.device(device)
-    config = AutoConfig.from_pretrained(folder)
-    config_dict = config.to_dict()
+    # The raw config.json: the fast path reads both the transformers-5 and the older key names itself,
+    # and skipping AutoConfig saves ~2 s of first-time transformers imports.
+    config_dict = json.loads((folder / "config.json").read_text())
     tokenizer = load_tokenizer(folder)
 
     from pipeline.models.llama import FAST_PATH_MODEL_TYPES, unsupported_reason
@@ -96,7 +95,7 @@ def load_model(
         path=str(folder),
         vocab_size=vocab_size,
         eos_token_ids=eos_token_ids(folder, config_dict, tokenizer),
-        max_position_embeddings=int(getattr(config, "max_position_embeddings", 0) or 0),
+        max_position_embeddings=_max_positions(config_dict),
         architecture=(config_dict.get("architectures") or [type(model).__name__])[0],
         num_parameters=sum(p.numel() for p in model.parameters()),  # shared (tied) tensors counted once
         fast_path=reason is None,
@@ -128,3 +127,10 @@ def eos_token_ids(folder: Path, config: dict[str, Any], tokenizer: Any = None) -
     if tokenizer is not None:
         add(getattr(tokenizer, "eos_token_id", None))
     return tuple(found)
+
+
+def _max_positions(config: dict[str, Any]) -> int:
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    return 0

@@ -141,6 +141,7 @@ def convert_gguf(gguf: Path, dest: Path | None = None) -> Path:
     model.generation_config = generation_config
 
     dest.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temp_dirs(dest)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp", dir=dest.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
@@ -163,6 +164,17 @@ def convert_gguf(gguf: Path, dest: Path | None = None) -> Path:
         raise
     log.info("converted %s -> %s in %.1f s", gguf.name, dest, time.perf_counter() - t0)
     return dest
+
+
+def _remove_stale_temp_dirs(dest: Path, max_age_s: float = 3600.0) -> None:
+    """Temp folders of conversions killed mid-way (SIGKILL skips our cleanup); old ones only, since a
+    young one may belong to a conversion running right now in another process."""
+    for tmp in dest.parent.glob(f".{dest.name}.tmp*"):
+        try:
+            if time.time() - tmp.stat().st_mtime > max_age_s:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def main(argv: list[str] | None = None) -> None:
