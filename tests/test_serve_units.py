@@ -218,3 +218,72 @@ def test_state_dict_round_trips_into_the_pipeline_request_state(redis_server):
         await store.close()
 
     asyncio.run(run())
+
+
+# -- CLI and Serve config file ------------------------------------------------------------------------------
+
+def _serve_args(*argv):
+    import argparse
+
+    from specserve import cmd_serve
+
+    parser = argparse.ArgumentParser()
+    cmd_serve.register(parser.add_subparsers())
+    return parser.parse_args(["serve", *argv])
+
+
+def test_cli_overrides_the_config_file():
+    from specserve.cmd_serve import load_config
+
+    c = load_config(_serve_args("--config", "deployments/serve_config.yaml", "--draft", "/m/d", "-k", "6",
+                                "--coordinators", "2", "--target-threads", "2", "--no-overlap"))
+    assert c.drafter.method == "model" and c.drafter.model == "/m/d"
+    assert c.speculation.num_draft_tokens == 6 and c.coordinator.num_replicas == 2
+    assert c.target.resources.torch_threads == 2 and c.coordinator.overlap is False
+    assert c.target.max_seq_len == 2048  # from the file
+    assert load_config(_serve_args("--draft", "none")).drafter.method == "none"
+    assert load_config(_serve_args()).drafter.method == "prompt_lookup"  # the demo pair
+
+
+def test_serve_config_file_is_valid_and_builds_the_app():
+    import yaml
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    from ray.serve.schema import ServeDeploySchema
+
+    from deployments.app import app_builder
+
+    raw = yaml.safe_load(open("deployments/serve_config.yaml"))
+    schema = ServeDeploySchema.model_validate(raw)
+    app_cfg = schema.applications[0]
+    assert app_cfg.import_path == "deployments.app:app_builder"
+    app = call_user_app_builder_with_args_if_necessary(app_builder, app_cfg.args)
+
+    def names(node):  # the deployment graph: bound deployments reachable through init args
+        from ray.serve.deployment import Application
+
+        d = node._bound_deployment
+        out = {d.name}
+        for arg in d.init_args:
+            if isinstance(arg, Application):
+                out |= names(arg)
+        return out
+
+    assert names(app) == {"Ingress", "Coordinator", "Target", "EmbeddedRedis"}  # prompt lookup: no Drafter
+
+
+def test_cli_fails_clearly_when_redis_is_unreachable():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "specserve", "serve", "--redis-url", "redis://127.0.0.1:1/0"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "Redis at redis://127.0.0.1:1/0 is unreachable" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_build_app_fails_clearly_when_redis_is_unreachable():
+    from deployments.app import build_app
+
+    with pytest.raises(RedisUnavailable, match="unreachable"):
+        build_app({"redis_url": "redis://127.0.0.1:1/0"})

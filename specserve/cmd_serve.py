@@ -1,0 +1,161 @@
+"""`specserve serve`: start Ray locally, Redis (embedded unless --redis-url / REDIS_URL), every deployment on
+this machine's CPU with the demo pair, print the URL, serve until Ctrl-C, then shut everything down.
+
+    specserve serve                                  # demo target + prompt-lookup drafter, port 8000
+    specserve serve --config deployments/serve_config.yaml --port 8080
+    specserve serve --draft path/to/drafter -k 4 --redis-url redis://host:6379/0
+
+For a cluster, use Ray Serve's own CLI with a config file: `serve run deployments/serve_config.yaml`
+or `serve deploy deployments/serve_config.yaml` (import_path deployments.app:app_builder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible API on Ray Serve (Ctrl-C stops)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None,
+                   help="YAML: a Serve config file (its first application's args) or AppConfig fields")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--address", default=None,
+                   help="Ray cluster to join (default: start a local one; 'auto' joins a running one)")
+    p.add_argument("--name", default="specserve", help="Serve application name")
+    p.add_argument("--target", default=None, help="target model folder or .gguf (default: the demo model)")
+    p.add_argument("--draft", default=None,
+                   help="drafter: 'prompt-lookup' (default), 'none', or a drafter model folder")
+    p.add_argument("-k", "--num-draft-tokens", type=int, default=None, help="default K per request")
+    p.add_argument("--redis-url", default=None, help="external Redis (default: $REDIS_URL, else embedded)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--max-batch-size", type=int, default=None, help="KV-cache slots per target replica")
+    p.add_argument("--target-replicas", type=int, default=None)
+    p.add_argument("--drafter-replicas", type=int, default=None)
+    p.add_argument("--coordinators", type=int, default=None, help="coordinator replicas")
+    p.add_argument("--target-threads", type=int, default=None, help="torch threads per target worker")
+    p.add_argument("--no-overlap", action="store_true", help="do not draft the next block during verification")
+    p.set_defaults(func=run)
+
+
+def load_config(args: argparse.Namespace):  # -> deployments.config.AppConfig
+    """AppConfig from --config (if any) with the command-line overrides applied. Pure (no Ray)."""
+    import yaml
+
+    from deployments.config import AppConfig
+
+    data: dict[str, Any] = {}
+    if args.config:
+        with open(args.config) as f:
+            raw = yaml.safe_load(f) or {}
+        if "applications" in raw:  # a Serve config file
+            apps = raw["applications"]
+            if not apps:
+                raise ValueError(f"{args.config}: no applications")
+            data = dict(apps[0].get("args") or {})
+        else:
+            data = dict(raw)
+
+    def put(path: str, value: Any) -> None:
+        if value is None:
+            return
+        node = data
+        *parents, leaf = path.split(".")
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = value
+
+    put("target.model", args.target)
+    if args.draft is not None:
+        if args.draft in ("prompt-lookup", "prompt_lookup"):
+            put("drafter.method", "prompt_lookup")
+        elif args.draft == "none":
+            put("drafter.method", "none")
+        else:
+            put("drafter.method", "model")
+            put("drafter.model", args.draft)
+    put("speculation.num_draft_tokens", args.num_draft_tokens)
+    put("redis_url", args.redis_url)
+    put("served_model_name", args.served_model_name)
+    put("target.max_seq_len", args.max_seq_len)
+    put("target.max_batch_size", args.max_batch_size)
+    put("target.resources.num_replicas", args.target_replicas)
+    put("drafter.resources.num_replicas", args.drafter_replicas)
+    put("coordinator.num_replicas", args.coordinators)
+    put("target.resources.torch_threads", args.target_threads)
+    if args.no_overlap:
+        put("coordinator.overlap", False)
+    return AppConfig.model_validate(data)
+
+
+def run(args: argparse.Namespace) -> int:
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    from pydantic import ValidationError
+
+    try:
+        cfg = load_config(args)
+    except ValidationError as err:
+        raise ValueError(f"invalid configuration: {err.errors()[0]['loc']}: {err.errors()[0]['msg']}") from None
+
+    from deployments.embedded_redis import RedisUnavailable, check_reachable, redact
+
+    if cfg.redis_url is not None:
+        try:
+            check_reachable(cfg.redis_url)
+        except RedisUnavailable as err:
+            raise ConnectionError(str(err)) from None
+
+    # Resolve (and on first use download + convert) the models once here, not in every replica.
+    from pipeline.models.store import resolve
+
+    print("specserve: preparing models ...", flush=True)
+    cfg.target.model = str(resolve(cfg.target.model))
+    if cfg.drafter.method == "model":
+        cfg.drafter.model = str(resolve(cfg.drafter.model))
+
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    print("specserve: starting Ray and Serve ...", flush=True)
+    ray.init(address=args.address or "local", include_dashboard=False, logging_level="WARNING")
+    stop = threading.Event()
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(cfg), name=args.name, route_prefix="/", blocking=False)
+        shown_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+        url = f"http://{shown_host}:{args.port}"
+        model = cfg.served_model_name or os.path.basename(cfg.target.model.rstrip("/"))
+        redis_where = redact(cfg.redis_url) if cfg.redis_url else "embedded"
+        print(f"specserve: serving {model} at {url}  (drafter: {cfg.drafter.method}, Redis: {redis_where})")
+        print(f"  curl -N {url}/v1/completions -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 32, \"stream\": true}}'")
+        print("Press Ctrl-C to stop.", flush=True)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        while not stop.wait(0.5):
+            pass
+        print("\nspecserve: shutting down ...", flush=True)
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+    print("specserve: stopped.", flush=True)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    a = parser.parse_args(["serve", *sys.argv[1:]])
+    raise SystemExit(a.func(a))
