@@ -1,0 +1,219 @@
+"""Harness for launching ops/cluster-local.yaml with `ray up` in a test, on this machine, over SSH.
+
+What it sets up, and undoes afterwards:
+- a throwaway SSH key, authorized for root (a marked line in ~/.ssh/authorized_keys);
+- sshd on 127.0.0.1:22 if nothing listens there (started here, ended by its pid);
+- a marked block in ~/.bashrc putting this Python environment on the SSH login PATH (Ray runs every
+  remote command as `bash --login -c -i 'source ~/.bashrc; ...'`);
+- a `ray` shim first on that PATH. `ray stop` (run by the start commands and by `ray down`) ends every
+  Ray process on the machine, other test sessions' included; the shim's `stop` ends only the processes
+  of this cluster, found by an environment variable that its `ray start` line sets (and every Ray
+  process it spawns inherits). Every other `ray` command goes to the real CLI.
+The cluster gets a unique name and free ports, so it never meets another Ray instance.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+MARK_ENV = "SPECSERVE_TEST_CLUSTER"
+HOME = Path.home()
+
+STOP_SCRIPT = r'''
+import os, sys, time, psutil
+mark = sys.argv[1]
+def ours():
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid != os.getpid() and p.environ().get("%(env)s") == mark:
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return out
+procs = ours()
+for p in procs:
+    try: p.terminate()
+    except psutil.NoSuchProcess: pass
+gone, alive = psutil.wait_procs(procs, timeout=3)
+for p in alive:
+    try: p.kill()
+    except psutil.NoSuchProcess: pass
+psutil.wait_procs(alive, timeout=5)
+print(f"stopped {len(procs)} processes of cluster {mark}")
+''' % {"env": MARK_ENV}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+def cluster_processes(mark: str) -> list[int]:
+    import psutil
+
+    pids = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(MARK_ENV) == mark and p.status() != psutil.STATUS_ZOMBIE:
+                pids.append(p.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return pids
+
+
+def missing_tools() -> list[str]:
+    return [t for t in ("/usr/sbin/sshd", "ssh", "ssh-keygen", "rsync") if not shutil.which(t) and
+            not Path(t).exists()]
+
+
+class LocalCluster:
+    """Renders ops/cluster-local.yaml for this run and drives `ray up` / `ray down` on it."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.id = uuid.uuid4().hex[:8]
+        self.name = f"specserve-test-{self.id}"
+        self.gcs_port, self.dashboard_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.node_dir = tmp / "node"  # the head's copy of the working tree (file_mounts destination)
+        self.bin = tmp / "bin"
+        self.key = tmp / "id_ed25519"
+        self._sshd: subprocess.Popen | None = None
+        self._marker = f"specserve-ray-up-test-{self.id}"
+        self._home_files_before = {p for p in ("ray_bootstrap_config.yaml", "ray_bootstrap_key.pem")
+                                   if (HOME / p).exists()}
+        self.config_path = tmp / "cluster.yaml"
+        self.log: list[str] = []
+
+    # -- machine setup ------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", self._marker, "-f",
+                        str(self.key)], check=True)
+        ssh_dir = HOME / ".ssh"
+        ssh_dir.mkdir(mode=0o700, exist_ok=True)
+        auth = ssh_dir / "authorized_keys"
+        with open(auth, "a") as f:
+            f.write(self.key.with_suffix(".pub").read_text().strip() + "\n")
+        auth.chmod(0o600)
+
+        self.bin.mkdir()
+        venv_bin = Path(sys.executable).parent
+        real_ray = venv_bin / "ray"
+        (self.bin / "stop_cluster.py").write_text(STOP_SCRIPT)
+        shim = self.bin / "ray"
+        shim.write_text(
+            "#!/bin/bash\n"
+            f'if [ "$1" = stop ]; then exec {sys.executable} {self.bin / "stop_cluster.py"} {self.id}; fi\n'
+            f'exec {real_ray} "$@"\n')
+        shim.chmod(0o755)
+        with open(HOME / ".bashrc", "a") as f:
+            f.write(f"# >>> {self._marker} >>>\n"
+                    f"export PATH={self.bin}:{venv_bin}:$PATH RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0\n"
+                    f"# <<< {self._marker} <<<\n")
+
+        if not port_open(22):
+            subprocess.run(["ssh-keygen", "-A"], check=True, capture_output=True)
+            Path("/run/sshd").mkdir(exist_ok=True)
+            self._sshd = subprocess.Popen(
+                ["/usr/sbin/sshd", "-D", "-e", "-o", "ListenAddress=127.0.0.1", "-o",
+                 "PasswordAuthentication=no", "-o", "PermitRootLogin=prohibit-password"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            deadline = time.time() + 10
+            while not port_open(22):
+                assert time.time() < deadline, "sshd did not start listening on 127.0.0.1:22"
+                time.sleep(0.1)
+        out = subprocess.run(
+            ["ssh", "-i", str(self.key), "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
+             "-o", "BatchMode=yes", "root@127.0.0.1", "bash --login -c -i 'source ~/.bashrc; which ray'"],
+            capture_output=True, text=True, timeout=30)
+        assert out.stdout.strip().endswith(str(self.bin / "ray")), f"ssh login PATH check failed: {out}"
+
+        text = (ROOT / "ops" / "cluster-local.yaml").read_text()
+        text = (text.replace("~/.ssh/id_ed25519", str(self.key))
+                .replace("~/specserve-local", str(self.node_dir))
+                .replace("$HOME/specserve-local", str(self.node_dir))
+                .replace("16379", str(self.gcs_port)).replace("18265", str(self.dashboard_port))
+                .replace("18080", str(self.metrics_port))
+                .replace("ray start", f"{MARK_ENV}={self.id} ray start"))
+        config = yaml.safe_load(text)
+        config["cluster_name"] = self.name
+        self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+    def teardown(self) -> None:
+        for pid in cluster_processes(self.id):  # whatever `ray down` left (the test asserts there is none)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self._sshd is not None:
+            self._sshd.terminate()
+            self._sshd.wait(10)
+        auth = HOME / ".ssh" / "authorized_keys"
+        if auth.exists():
+            auth.write_text("".join(line for line in auth.read_text().splitlines(keepends=True)
+                                    if self._marker not in line))
+        bashrc = HOME / ".bashrc"
+        if bashrc.exists():
+            bashrc.write_text(re.sub(rf"# >>> {self._marker} >>>\n.*?# <<< {self._marker} <<<\n", "",
+                                     bashrc.read_text(), flags=re.S))
+        for p in ("ray_bootstrap_config.yaml", "ray_bootstrap_key.pem"):
+            if p not in self._home_files_before:
+                (HOME / p).unlink(missing_ok=True)
+        for suffix in (".state", ".lock"):
+            Path(f"/tmp/cluster-{self.name}{suffix}").unlink(missing_ok=True)
+
+    # -- ray CLI ------------------------------------------------------------------------------------------
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+                "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+
+    def ray(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        t = time.time()
+        out = subprocess.run([str(Path(sys.executable).parent / "ray"), *args], cwd=ROOT, env=self.env(),
+                             capture_output=True, text=True, timeout=timeout)
+        self.log.append(f"$ ray {' '.join(args)}  ({time.time() - t:.1f} s, rc {out.returncode})\n"
+                        f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+        return out
+
+    def up(self) -> float:
+        t = time.time()
+        out = self.ray("up", "-y", "--no-config-cache", str(self.config_path))
+        assert out.returncode == 0, "\n".join(self.log)
+        return time.time() - t
+
+    def down(self) -> float:
+        t = time.time()
+        out = self.ray("down", "-y", str(self.config_path))
+        assert out.returncode == 0, "\n".join(self.log)
+        return time.time() - t
+
+    def serve(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        t = time.time()
+        out = subprocess.run([str(Path(sys.executable).parent / "serve"), *args], cwd=ROOT, env=self.env(),
+                             capture_output=True, text=True, timeout=timeout)
+        self.log.append(f"$ serve {' '.join(args)}  ({time.time() - t:.1f} s, rc {out.returncode})\n"
+                        f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+        return out
+
+    @property
+    def dashboard(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
