@@ -71,7 +71,9 @@ DEFS: dict[str, _Def] = {
         "histogram", "Per request: (end - first token) / (tokens - 1).", (), LATENCY_BUCKETS),
     "specserve_request_latency_seconds": _Def("histogram", "End-to-end request latency.", (),
                                               LATENCY_BUCKETS),
-    "specserve_queue_depth": _Def("gauge", "Requests admitted but waiting for a batch slot."),
+    "specserve_queue_depth": _Def(
+        "gauge", "Calls waiting in a worker for the next batched pass, by stage (target / drafter).",
+        ("stage",)),
     "specserve_active_requests": _Def("gauge", "Requests being decoded (holding a batch slot)."),
 }
 
@@ -225,8 +227,9 @@ def record_verify_latency(seconds: float, scope: str = "call") -> None:
     get("specserve_verify_latency_seconds").observe(seconds, tags={"scope": scope})
 
 
-def set_queue_depth(waiting: int) -> None:
-    get("specserve_queue_depth").set(waiting)
+def set_queue_depth(waiting: int, stage: str) -> None:
+    """Calls left queued in a worker after it took a batch (they wait for the next pass)."""
+    get("specserve_queue_depth").set(waiting, tags={"stage": stage})
 
 
 def set_active_requests(active: int) -> None:
@@ -238,14 +241,16 @@ class RequestTimer:
 
     TPOT is (last token - first token) / (tokens - 1); the request latency runs from creation to finish.
 
-        timer = metrics.RequestTimer(prompt_tokens=len(prompt))
+        timer = metrics.RequestTimer(prompt_tokens=len(prompt), span=tracing.start_span("request"))
         for chunk in stream: timer.on_tokens(len(chunk)); yield chunk
         timer.finish("ok")   # or "error", "cancelled", ...
     """
 
-    __slots__ = ("_clock", "_start", "_first", "_last", "_tokens", "_prompt_tokens", "_done")
+    __slots__ = ("_clock", "_start", "_first", "_last", "_tokens", "_prompt_tokens", "_done", "_span")
 
-    def __init__(self, prompt_tokens: int = 0, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, prompt_tokens: int = 0, clock: Callable[[], float] = time.perf_counter,
+                 span: Any = None):
+        self._span = span  # a tracing span (deployments.tracing.start_span) ended by finish()
         self._clock = clock
         self._start = clock()
         self._first: float | None = None
@@ -281,3 +286,9 @@ class RequestTimer:
         if self._tokens > 1:
             per_token = (self._last - self._first) / (self._tokens - 1)
             get("specserve_time_per_output_token_seconds").observe(per_token)
+        if self._span is not None:
+            from deployments import tracing
+
+            tracing.set_attributes(self._span, status=status, completion_tokens=self._tokens,
+                                   ttft_ms=None if self._first is None else (self._first - self._start) * 1e3)
+            self._span.end()

@@ -23,9 +23,10 @@ Context crosses Ray calls as a plain dict argument holding the W3C `traceparent`
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
-from typing import Any, Mapping
+from typing import Any, Awaitable, Callable, Mapping
 
 ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
 TRACES_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
@@ -64,6 +65,9 @@ class _NoopSpan:
 
     def is_recording(self) -> bool:
         return False
+
+    def end(self) -> None:
+        pass
 
 
 NOOP_SPAN = _NoopSpan()
@@ -115,8 +119,8 @@ def configure(
         if exporter is None:
             exporter = _make_exporter()
         name = service_name or os.environ.get("OTEL_SERVICE_NAME") or DEFAULT_SERVICE_NAME
-        # Resource.create merges OTEL_RESOURCE_ATTRIBUTES; the pid tells processes of one node apart.
-        resource = Resource.create({"service.name": name, "process.pid": os.getpid()})
+        # Resource.create merges OTEL_RESOURCE_ATTRIBUTES; the pid and Ray identity tell processes apart.
+        resource = Resource.create({"service.name": name, "process.pid": os.getpid(), **_ray_identity()})
         provider = TracerProvider(resource=resource)
         processor = SimpleSpanProcessor(exporter) if simple else BatchSpanProcessor(exporter)
         provider.add_span_processor(processor)
@@ -127,6 +131,26 @@ def configure(
         _tracer = provider.get_tracer("specserve")
         _enabled = True
         return True
+
+
+def _ray_identity() -> dict[str, str]:
+    """The Ray actor (Serve replica or worker) and node this process is, when it is one."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return {}
+    out: dict[str, str] = {}
+    try:
+        ctx = ray.get_runtime_context()
+        out["ray.node_id"] = ctx.get_node_id()
+        actor_id = ctx.get_actor_id()
+        if actor_id:
+            out["ray.actor_id"] = actor_id
+            out["ray.actor_name"] = ctx.get_actor_name() or ""
+    except Exception:  # noqa: BLE001 - identity is a nicety; never fail tracing over it
+        pass
+    return out
 
 
 def _get_tracer() -> Any:
@@ -191,6 +215,55 @@ def span(name: str, parent: Mapping[str, str] | None = None, **attrs: Any) -> An
         return NOOP_SPAN
     context = extract(parent) if parent else None
     return tracer.start_as_current_span(name, context=context, attributes=_attributes(attrs))
+
+
+def start_span(name: str, parent: Mapping[str, str] | None = None, **attrs: Any) -> Any:
+    """Start a span without making it current (for a span that outlives a function, e.g. one that ends
+    when a stream ends, or that spans an async generator's yields). End it with `.end()`; pass it on with
+    `carrier_of(span)`. NOOP_SPAN when tracing is off."""
+    tracer = _get_tracer()
+    if tracer is None:
+        return NOOP_SPAN
+    return tracer.start_span(name, context=extract(parent) if parent else None, attributes=_attributes(attrs))
+
+
+def carrier_of(target: Any) -> Carrier:
+    """W3C headers naming `target` (a span from start_span or span) as the parent: {} when off."""
+    if target is NOOP_SPAN or _get_tracer() is None:
+        return {}
+    from opentelemetry import trace
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    carrier: Carrier = {}
+    TraceContextTextMapPropagator().inject(carrier, context=trace.set_span_in_context(target))
+    return carrier
+
+
+def annotate(**attrs: Any) -> None:
+    """Set attributes on the current span (no-op when tracing is off or no span is open)."""
+    if _get_tracer() is None:
+        return
+    from opentelemetry import trace
+
+    current = trace.get_current_span()
+    if current.is_recording():
+        current.set_attributes(_attributes(attrs))
+
+
+def traced(name: str, **attrs: Any) -> Callable[[Callable[..., Awaitable[Any]]], Callable[..., Awaitable[Any]]]:
+    """Decorate an async function to run inside `span(name, **attrs)` (e.g. each Redis operation)."""
+
+    def wrap(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        @functools.wraps(fn)
+        async def inner(*args: Any, **kwargs: Any) -> Any:
+            if _get_tracer() is None:
+                return await fn(*args, **kwargs)
+            with span(name, **attrs):
+                return await fn(*args, **kwargs)
+
+        return inner
+
+    return wrap
 
 
 def set_attributes(target: Any, **attrs: Any) -> None:

@@ -86,12 +86,33 @@ def test_latency_and_gauges(scrape):
     metrics.record_draft_latency(0.004, scope="call")
     metrics.record_draft_latency(0.003, scope="compute")
     metrics.record_verify_latency(0.02)
-    metrics.set_queue_depth(5)
+    metrics.set_queue_depth(5, stage="target")
     metrics.set_active_requests(3)
-    metrics.set_queue_depth(2)
+    metrics.set_queue_depth(2, stage="target")
+    metrics.set_queue_depth(1, stage="drafter")
     v = scrape()
     assert v[("specserve_draft_latency_seconds_count", (("scope", "call"),))] == 1
     assert v[("specserve_draft_latency_seconds_count", (("scope", "compute"),))] == 1
     assert v[("specserve_verify_latency_seconds_sum", (("scope", "call"),))] == pytest.approx(0.02)
-    assert v[("specserve_queue_depth", ())] == 2
+    assert v[("specserve_queue_depth", (("stage", "target"),))] == 2
+    assert v[("specserve_queue_depth", (("stage", "drafter"),))] == 1
     assert v[("specserve_active_requests", ())] == 3
+
+
+def test_request_timer_ends_its_span_with_the_outcome(scrape):
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from deployments import tracing
+
+    exporter = InMemorySpanExporter()
+    tracing.configure(exporter, simple=True)
+    try:
+        timer = metrics.RequestTimer(3, span=tracing.start_span("POST /v1/completions"))
+        timer.on_tokens(2)
+        timer.finish("ok")
+        (span,) = exporter.get_finished_spans()
+        assert span.attributes["specserve.status"] == "ok"
+        assert span.attributes["specserve.completion_tokens"] == 2
+        assert span.attributes["specserve.ttft_ms"] >= 0
+    finally:
+        tracing.disable()

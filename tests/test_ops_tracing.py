@@ -135,3 +135,46 @@ def test_otlp_export_from_the_environment_reaches_a_real_receiver(protocol):
     assert by_name["redis.get"]["trace_id"] == by_name["request"]["trace_id"]
     assert by_name["request"]["attributes"] == {"specserve.k": 4}
     assert by_name["request"]["resource"]["service.name"] == "proc-a"
+
+
+def test_start_span_outlives_its_caller_and_parents_remote_work(memory_exporter):
+    root = tracing.start_span("POST /v1/completions", request_id="r9")
+    carrier = tracing.carrier_of(root)
+
+    def remote_call(trace):
+        with tracing.span("coordinator.step", parent=trace):
+            tracing.annotate(accepted=2, target="t0")
+
+    t = threading.Thread(target=remote_call, args=(carrier,))
+    t.start()
+    t.join()
+    root.end()
+    spans = {s.name: s for s in memory_exporter.get_finished_spans()}
+    step = spans["coordinator.step"]
+    assert step.parent.span_id == spans["POST /v1/completions"].context.span_id
+    assert dict(step.attributes) == {"specserve.accepted": 2, "specserve.target": "t0"}
+
+
+def test_traced_decorator_wraps_async_calls(memory_exporter):
+    import asyncio
+
+    @tracing.traced("redis.commit", **{"db.system": "redis"})
+    async def commit(x):
+        return x + 1
+
+    async def main():
+        with tracing.span("step"):
+            return await commit(1)
+
+    assert asyncio.run(main()) == 2
+    spans = {s.name: s for s in memory_exporter.get_finished_spans()}
+    assert spans["redis.commit"].parent.span_id == spans["step"].context.span_id
+    assert spans["redis.commit"].attributes["db.system"] == "redis"
+
+
+def test_off_start_span_and_helpers_are_noops():
+    tracing.disable()
+    s = tracing.start_span("x")
+    assert s is tracing.NOOP_SPAN and tracing.carrier_of(s) == {}
+    s.end()
+    tracing.annotate(a=1)
