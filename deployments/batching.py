@@ -15,6 +15,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
+from deployments import metrics
+
 _ACTIVE_WINDOW_S = 1.0  # a request that called within this window is expected to call again
 
 
@@ -27,6 +29,7 @@ class StepBatcher:
         name: str = "batcher",
     ) -> None:
         self._run_batch, self.max_batch, self.wait_s = run_batch, max_batch, wait_ms / 1000.0
+        self.name = name
         self._queue: list[tuple[str, Any, asyncio.Future]] = []
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -94,6 +97,7 @@ class StepBatcher:
             batch = self._take()
             if not batch:
                 continue
+            metrics.set_queue_depth(len(self._queue), stage=self.name)  # calls left for the next pass
             rows = [row for _, row, _ in batch]
             try:
                 results = await loop.run_in_executor(self._pool, self._run_batch, rows)

@@ -36,10 +36,7 @@ from deployments.workers import CACHE_MISS, WorkerPool, is_actor_lost
 
 logger = logging.getLogger(__name__)
 
-try:  # the ops engineer's hooks: no-ops unless configured
-    from deployments import metrics, tracing
-except ImportError:  # pragma: no cover
-    metrics = tracing = None  # type: ignore[assignment]
+from deployments import metrics, tracing  # ops hooks: tracing is a no-op unless OTEL_EXPORTER_OTLP_ENDPOINT is set
 
 
 @dataclass
@@ -79,6 +76,7 @@ class _Run:
     pre: Optional[_PreDraft] = None
     persist: Optional[asyncio.Task] = None
     persist_broken: bool = False
+    trace: Optional[dict] = None  # W3C context of this request's coordinator span (deployments.tracing)
     counters: dict[str, int] = field(default_factory=lambda: {
         "overlap_tries": 0, "overlap_hits": 0, "target_replays": 0, "target_failovers": 0,
         "drafter_failovers": 0, "target_only_steps": 0})
@@ -145,7 +143,7 @@ class Coordinator:
             state.attach_tokenizer(self.tokenizer)
         await self.store.create(state.request_id, self.owner, state.to_dict(), kind=request["kind"],
                                 model=request["model"], created=request["created"], spec=request["spec"])
-        async for event in self._loop(state, request["spec"], prefer_target=None):
+        async for event in self._loop(state, request["spec"], prefer_target=None, trace=request.get("trace")):
             yield event
 
     async def _resume(self, request_id: str, after: int) -> AsyncIterator[dict[str, Any]]:
@@ -165,9 +163,14 @@ class Coordinator:
                 yield event
 
     # -- the loop --------------------------------------------------------------------------------------
-    async def _loop(self, state, spec: dict[str, Any], prefer_target: Optional[str]) -> AsyncIterator[dict]:
+    async def _loop(self, state, spec: dict[str, Any], prefer_target: Optional[str],
+                    trace: Optional[dict] = None) -> AsyncIterator[dict]:
         run = _Run(spec_k=int(spec["num_draft_tokens"]), draft_top_k=int(spec["draft_top_k"]))
         run.target, run.maybe_warm = prefer_target, prefer_target is not None
+        # Not made current: it spans the generator's yields. Steps name it as their parent via run.trace.
+        span = tracing.start_span("coordinator.request", parent=trace, request_id=state.request_id,
+                                  k=run.spec_k, coordinator=self.owner, resumed=prefer_target is not None)
+        run.trace = tracing.carrier_of(span)
         self.active += 1
         self._gauge()
         finished_ok = False
@@ -182,6 +185,9 @@ class Coordinator:
             await self._flush(run)
             finished_ok = True
         finally:
+            tracing.set_attributes(span, steps=state.step, completion_tokens=len(state.output_ids),
+                                   finished=finished_ok)
+            span.end()
             self.active -= 1
             self._gauge()
             if not finished_ok:
@@ -192,6 +198,10 @@ class Coordinator:
                 self._release(run, state.request_id)
 
     async def _step(self, run: _Run, state) -> dict[str, Any]:
+        with tracing.span("coordinator.step", parent=run.trace, step=state.step):
+            return await self._step_body(run, state)
+
+    async def _step_body(self, run: _Run, state) -> dict[str, Any]:
         t0 = time.perf_counter()
         ctx = state.context
         want = min(run.spec_k, state.remaining - 1)
@@ -231,6 +241,9 @@ class Coordinator:
             if draft.tokens:
                 metrics.record_draft_latency(t1 - t0)
             metrics.record_verify_latency(t2 - t1)
+        tracing.annotate(k=len(draft.tokens), accepted=num_accepted, emitted=len(emitted),
+                         step_latency_ms=(time.perf_counter() - t0) * 1e3, draft_ms=(t1 - t0) * 1e3,
+                         verify_ms=(t2 - t1) * 1e3, target=run.target, drafter=run.drafter)
         return event
 
     # -- drafting ----------------------------------------------------------------------------------------
@@ -445,7 +458,8 @@ async def _await(ref) -> Any:
 
 async def _call(method, row) -> Any:
     """One direct actor call, awaited (an ObjectRef is awaitable on the event loop)."""
-    return await method.remote(row, _trace())
+    with tracing.span(f"call {getattr(method, '_method_name', 'actor')}", request_id=row.request_id):
+        return await method.remote(row, _trace())
 
 
 def _accept(verdict: dict[str, Any], draft_tokens: list[int], seed: int, step: int) -> tuple[int, list[int]]:

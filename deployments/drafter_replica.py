@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from deployments import metrics, tracing
+from deployments.autoscaling import ONGOING_REQUESTS
 from deployments.batching import StepBatcher
 from deployments.config import DRAFTER, AppConfig
 from deployments.target_replica import CACHE_SLACK
@@ -63,11 +65,14 @@ class DrafterWorker:
         return True
 
     async def stats(self) -> dict[str, Any]:
-        return {"batches": self.batcher.batches, "rows": self.batcher.rows, "compute_s": self.compute_s}
+        return {"batches": self.batcher.batches, "rows": self.batcher.rows, "compute_s": self.compute_s,
+                "requests": len(self._ctx)}
 
     async def propose(self, row: ProposeRow, trace: Optional[dict] = None) -> Any:
         """-> {"token_ids": [n] list, "top_ids": [n, k] tensor, "top_probs": [n, k] tensor} or CACHE_MISS."""
-        return await self.batcher.submit(row.request_id, row)
+        with tracing.span("drafter.propose", parent=trace, request_id=row.request_id, base=row.base,
+                          num_draft=row.num_draft):
+            return await self.batcher.submit(row.request_id, row)
 
     async def release(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
@@ -110,6 +115,7 @@ class DrafterWorker:
                     "top_probs": block.top_probs[j, :n].clone(),
                 }
         self.compute_s += time.perf_counter() - t0
+        metrics.record_draft_latency(time.perf_counter() - t0, scope="compute")
         return results
 
 
@@ -128,6 +134,11 @@ class DrafterServer:
 
     async def info(self) -> dict[str, Any]:
         return self._info
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve autoscaling input: requests whose context this drafter holds (deployments/autoscaling.py)."""
+        stats = await self.workers[0].stats.remote()
+        return {ONGOING_REQUESTS: float(stats["requests"])}
 
     async def check_health(self) -> None:
         await asyncio.wait_for(self.workers[0].ping.remote(), 20.0)

@@ -36,10 +36,7 @@ from deployments.sse import event_id, parse_event_id, sse_stream
 
 logger = logging.getLogger(__name__)
 
-try:
-    from deployments import metrics
-except ImportError:  # pragma: no cover
-    metrics = None  # type: ignore[assignment]
+from deployments import metrics, tracing  # ops hooks: tracing is a no-op unless OTEL_EXPORTER_OTLP_ENDPOINT is set
 
 MAX_FAILOVERS = 5  # coordinator losses one request survives
 
@@ -107,8 +104,12 @@ class OpenAIIngress:
             "params": {**params.__dict__, "stop": list(params.stop)},
             "spec": {"num_draft_tokens": spec.num_draft_tokens, "draft_top_k": spec.draft_top_k},
         }
+        # The request's root span (a child of the client's `traceparent`, if any); the timer ends it.
+        span = tracing.start_span(f"POST {request.url.path}", parent=dict(request.headers), request_id=rid,
+                                  prompt_tokens=len(prompt_ids), max_tokens=max_tokens, k=spec.num_draft_tokens)
+        payload["trace"] = tracing.carrier_of(span)
         events = self._events(rid, lambda: self.coord.options(stream=True).generate.remote(payload))
-        timer = metrics.RequestTimer(len(prompt_ids)) if metrics is not None else None
+        timer = metrics.RequestTimer(len(prompt_ids), span=span)
         if req.stream:
             chunks = self._chunks(kind, rid, payload["created"], events, req.include_usage, timer)
             return StreamingResponse(sse_stream(chunks), media_type="text/event-stream",

@@ -22,6 +22,8 @@ from typing import Any, Optional
 
 import redis.asyncio as aioredis
 
+from deployments.tracing import traced
+
 # KEYS: meta, ids, events. ARGV: owner, expected_step, new_step, ttl, emitted_chars, finish_reason,
 # status, stats_json, event_json, ids...
 _COMMIT = """
@@ -133,6 +135,7 @@ class RequestStore:
         return [meta, f"{meta}:ids", f"{meta}:events"]
 
     # -- lifecycle -------------------------------------------------------------------------------------
+    @traced("redis create", **{"db.system": "redis"})
     async def create(self, rid: str, owner: str, state: dict[str, Any], **extra: Any) -> None:
         """Store a new request (state: `RequestState.to_dict()` before any step)."""
         fields: dict[str, Any] = {
@@ -152,6 +155,7 @@ class RequestStore:
         if not await self._create(keys=keys[:1], args=[self.ttl_s, *flat]):
             raise ValueError(f"request {rid} exists already")
 
+    @traced("redis take_over", **{"db.system": "redis"})
     async def take_over(self, rid: str, owner: str) -> Optional[StoredRequest]:
         """Become the request's owner (fencing out any previous one) and read it; None if unknown."""
         epoch = await self._take_over(keys=self.keys(rid), args=[owner, self.ttl_s])
@@ -159,6 +163,7 @@ class RequestStore:
             return None
         return await self.load(rid)
 
+    @traced("redis commit", **{"db.system": "redis"})
     async def commit(
         self,
         rid: str,
@@ -180,6 +185,7 @@ class RequestStore:
             raise NotOwner(f"request {rid}: {'owner changed' if n == -1 else 'step moved'} at step {expected_step}")
         return n
 
+    @traced("redis set_fields", **{"db.system": "redis"})
     async def set_fields(self, rid: str, owner: str, **fields: Any) -> None:
         flat: list[Any] = []
         for k, v in fields.items():
@@ -188,6 +194,7 @@ class RequestStore:
             raise NotOwner(f"request {rid}: owner changed")
 
     # -- reads -----------------------------------------------------------------------------------------
+    @traced("redis load", **{"db.system": "redis"})
     async def load(self, rid: str) -> Optional[StoredRequest]:
         meta, ids, _ = self.keys(rid)
         async with self.client.pipeline(transaction=True) as pipe:
@@ -198,6 +205,7 @@ class RequestStore:
             return None
         return StoredRequest(rid, fields, [int(t) for t in out])
 
+    @traced("redis events", **{"db.system": "redis"})
     async def events(self, rid: str, start: int = 0) -> list[dict[str, Any]]:
         raw = await self.client.lrange(self.keys(rid)[2], start, -1)
         return [json.loads(e) for e in raw]

@@ -21,6 +21,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from deployments import metrics, tracing
+from deployments.autoscaling import ONGOING_REQUESTS
 from deployments.batching import StepBatcher
 from deployments.config import TARGET, AppConfig
 from deployments.workers import CACHE_MISS, spawn_workers
@@ -89,7 +91,9 @@ class TargetWorker:
 
     async def verify(self, row: VerifyRow, trace: Optional[dict] = None) -> dict[str, Any]:
         """-> {"accept_probs": [num_draft] floats, "target_tokens": [num_draft + 1] ids} or CACHE_MISS."""
-        return await self.batcher.submit(row.request_id, row)
+        with tracing.span("target.verify", parent=trace, request_id=row.request_id, start=row.start,
+                          num_draft=len(row.tokens) - 1, prefill=row.prefix is not None):
+            return await self.batcher.submit(row.request_id, row)
 
     async def release(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
@@ -141,6 +145,7 @@ class TargetWorker:
                 for b, out in zip(live, outs):
                     results[b] = out
         self.compute_s += time.perf_counter() - t0
+        metrics.record_verify_latency(time.perf_counter() - t0, scope="compute")
         return results
 
     def _verify_rows(self, rows, pinned, torch, DraftBlock, verify, SamplingTensors) -> list[dict[str, Any]]:
@@ -210,6 +215,11 @@ class TargetServer:
 
     async def info(self) -> dict[str, Any]:
         return self._info
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve autoscaling input: requests holding a KV slot here (deployments/autoscaling.py)."""
+        stats = await self.workers[0].stats.remote()
+        return {ONGOING_REQUESTS: float(stats["slots_used"])}
 
     async def check_health(self) -> None:
         await asyncio.wait_for(asyncio.gather(*[w.ping.remote() for w in self.workers]), 20.0)
