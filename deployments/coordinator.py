@@ -79,7 +79,7 @@ class _Run:
     trace: Optional[dict] = None  # W3C context of this request's coordinator span (deployments.tracing)
     counters: dict[str, int] = field(default_factory=lambda: {
         "overlap_tries": 0, "overlap_hits": 0, "target_replays": 0, "target_failovers": 0,
-        "drafter_failovers": 0, "target_only_steps": 0})
+        "drafter_failovers": 0, "steps_without_draft": 0})
 
 
 class Coordinator:
@@ -228,8 +228,8 @@ class Coordinator:
             and state.context[-len(run.pre.tail):] == run.pre.tail
         ):
             self._drop_predraft(run)
-        if want == 0 or not draft.tokens:
-            run.counters["target_only_steps"] += int(run.spec_k > 0 and want > 0)
+        if want > 0 and not draft.tokens:
+            run.counters["steps_without_draft"] += 1  # no drafter reachable, or prompt lookup found nothing
         event: dict[str, Any] = {"i": expected_step, "ids": committed, "text": text, "finish": state.finish_reason}
         if state.finished:
             event["usage"] = {"prompt_tokens": len(state.prompt_ids), "completion_tokens": len(state.output_ids)}

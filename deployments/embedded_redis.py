@@ -10,8 +10,10 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from typing import Optional
@@ -72,7 +74,8 @@ class EmbeddedRedis:
             self.binary, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
             "--dir", self._dir, "--protected-mode", "no", "--daemonize", "no", "--loglevel", "warning",
         ]
-        self._proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self._proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         atexit.register(self.stop)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -105,6 +108,14 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the owner dies, even if killed (no orphaned servers)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def ping(url: str, timeout_s: float = 2.0) -> bool:

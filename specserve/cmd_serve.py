@@ -130,8 +130,9 @@ def run(args: argparse.Namespace) -> int:
     ray.init(address=args.address or "local", include_dashboard=False, logging_level="WARNING")
     stop = threading.Event()
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
-        serve.run(build_app(cfg), name=args.name, route_prefix="/", blocking=False)
+        quiet = {"log_level": "WARNING", "enable_access_log": False}
+        serve.start(http_options={"host": args.host, "port": args.port}, logging_config=quiet)
+        serve.run(build_app(cfg), name=args.name, route_prefix="/", blocking=False, logging_config=quiet)
         shown_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         url = f"http://{shown_host}:{args.port}"
         model = cfg.served_model_name or os.path.basename(cfg.target.model.rstrip("/"))
