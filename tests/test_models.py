@@ -59,9 +59,9 @@ def tiny_dir(tmp_path_factory):
     return get
 
 
-def hf_logits(hf_model, seq: list[int]) -> torch.Tensor:  # [T, V] float32, fresh run, no cache
+def hf_logits(hf_model, seq: list[int]) -> torch.Tensor:  # [T, V] float32 on CPU, fresh run, no cache
     with torch.no_grad():
-        return hf_model(torch.tensor([seq])).logits[0].float()
+        return hf_model(torch.tensor([seq], device=hf_model.device)).logits[0].float().cpu()
 
 
 def check_against_hf(runner: CausalLM, hf_model, vocab: int, seed: int = 0) -> float:
@@ -69,6 +69,10 @@ def check_against_hf(runner: CausalLM, hf_model, vocab: int, seed: int = 0) -> f
     the largest logits difference to fresh HF runs of the same sequences."""
     g = torch.Generator().manual_seed(seed)
     runner.allocate(num_slots=5, max_len=48)
+
+    def forward(*args, **kwargs) -> torch.Tensor:  # the runner's logits, on the CPU (runner may be on GPU)
+        return runner.forward(*args, **kwargs).cpu()
+
     slots = torch.tensor([3, 0, 4])  # not in order, not contiguous
     lengths = [9, 4, 13]  # prompt lengths
     seqs = [torch.randint(0, vocab, (40,), generator=g).tolist() for _ in lengths]
@@ -82,12 +86,12 @@ def check_against_hf(runner: CausalLM, hf_model, vocab: int, seed: int = 0) -> f
     # 1. Ragged prefill: all rows start at 0, right-padded to the longest prompt with junk ids.
     T = max(lengths)
     tokens = torch.tensor([s[:n] + [vocab - 1] * (T - n) for s, n in zip(seqs, lengths)])
-    out = runner.forward(tokens, torch.zeros(3, dtype=torch.long), slots)
+    out = forward(tokens, torch.zeros(3, dtype=torch.long), slots)
     assert out.shape == (3, T, vocab) and out.dtype == torch.float32
     for b, n in enumerate(lengths):
         compare(out, b, 0, n)
     # logits_from: only the last rows
-    last = runner.forward(tokens, torch.zeros(3, dtype=torch.long), slots, logits_from=T - 1)
+    last = forward(tokens, torch.zeros(3, dtype=torch.long), slots, logits_from=T - 1)
     assert last.shape == (3, 1, vocab)
     assert torch.allclose(last[:, 0], out[:, -1], atol=1e-5)
 
@@ -96,7 +100,7 @@ def check_against_hf(runner: CausalLM, hf_model, vocab: int, seed: int = 0) -> f
     for step, k in enumerate([1, 3, 4, 2, 1]):
         order = [(step + i) % 3 for i in range(3)]
         batch = torch.tensor([seqs[b][pos[b] : pos[b] + k] for b in order])
-        out = runner.forward(batch, torch.tensor([pos[b] for b in order]), slots[order])
+        out = forward(batch, torch.tensor([pos[b] for b in order]), slots[order])
         for row, b in enumerate(order):
             ref = hf_logits(hf_model, seqs[b][: pos[b] + k])[pos[b] :]
             worst = max(worst, (out[row] - ref).abs().max().item())
@@ -106,14 +110,14 @@ def check_against_hf(runner: CausalLM, hf_model, vocab: int, seed: int = 0) -> f
     rows = [0, 2]
     back = [pos[0] - 3, pos[2] - 5]
     new = [torch.randint(0, vocab, (4,), generator=g).tolist() for _ in rows]
-    out = runner.forward(torch.tensor(new), torch.tensor(back), slots[rows])
+    out = forward(torch.tensor(new), torch.tensor(back), slots[rows])
     for row, (b, p, toks) in enumerate(zip(rows, back, new)):
         seqs[b] = seqs[b][:p] + toks + seqs[b][p + 4 :]
         ref = hf_logits(hf_model, seqs[b][: p + 4])[p:]
         worst = max(worst, (out[row] - ref).abs().max().item())
         pos[b] = p + 4
     # ...and then continue decoding all rows after the rollback.
-    out = runner.forward(torch.tensor([seqs[b][pos[b] : pos[b] + 2] for b in range(3)]), torch.tensor(pos), slots)
+    out = forward(torch.tensor([seqs[b][pos[b] : pos[b] + 2] for b in range(3)]), torch.tensor(pos), slots)
     for b in range(3):
         compare(out, b, pos[b], 2)
     return worst
