@@ -1,0 +1,1 @@
+"""specserve command-line interface (see `specserve --help`)."""

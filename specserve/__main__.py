@@ -1,0 +1,3 @@
+from specserve.cli import main
+
+raise SystemExit(main())

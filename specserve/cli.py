@@ -1,0 +1,55 @@
+"""`specserve` entry point: subcommands live in specserve/cmd_*.py, each exposing `register(subparsers)`.
+
+Every handler returns an exit code. Bad input ends with one clear line on stderr and a non-zero exit,
+never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+SUBCOMMANDS = ("generate", "serve", "bench", "distill", "load")  # specserve/cmd_<name>.py
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, ConnectionError, TimeoutError)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not the usage block
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="specserve", description="Exact speculative decoding, served on Ray.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(f"specserve.cmd_{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"specserve.cmd_{name}":
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except USER_ERRORS as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        sys.stderr.write(f"specserve {args.command}: error: {msg}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

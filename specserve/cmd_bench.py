@@ -1,0 +1,61 @@
+"""`specserve bench`: Spec-Bench prompts through this engine and Hugging Face, side by side (greedy)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+METHODS = "engine-target,engine-spec,hf-generate,hf-assisted"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from specserve.bench import DEFAULT_PROMPTS
+
+    p.add_argument("--target", default=None, help="target model (default: the demo model)")
+    p.add_argument("--draft", default="default", help="drafter: model folder, 'prompt-lookup' or 'default'")
+    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="Spec-Bench jsonl (default: %(default)s)")
+    p.add_argument("--per-category", type=int, default=2, help="prompts per Spec-Bench category")
+    p.add_argument("--methods", default=METHODS, help="comma-separated subset of %(default)s")
+    p.add_argument("-k", "--num-draft-tokens", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("-o", "--out", default="bench-out", help="folder for bench.json, bench.md, bench.png")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.num_draft_tokens < 1:
+        raise ValueError(f"-k must be >= 1, got {args.num_draft_tokens}")
+    import torch
+
+    from pipeline.engine import DEFAULT_DRAFT
+    from specserve.bench import load_prompts, markdown_table, plot, run_bench
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompts = load_prompts(args.prompts, args.per_category)
+    draft = DEFAULT_DRAFT if args.draft == "default" else args.draft
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    result = run_bench(args.target, draft, prompts, methods, args.num_draft_tokens, args.max_tokens,
+                       device=args.device, progress=not args.no_progress)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(result, indent=1))
+    table = markdown_table(result)
+    (out / "bench.md").write_text(table)
+    try:
+        plot(result, out / "bench.png")
+    except ImportError:
+        pass
+    sys.stdout.write(table)
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("bench", help="Spec-Bench throughput: engine vs Hugging Face", description=__doc__)
+    add_arguments(p)
+    p.set_defaults(func=run)

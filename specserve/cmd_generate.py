@@ -1,0 +1,88 @@
+"""`specserve generate`: speculative decoding in this process, streaming text as it is accepted."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--target", default=None, help="target model folder or .gguf (default: the demo SmolLM2-135M-Instruct)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--draft", default=None,
+                   help="drafter: a model folder, 'prompt-lookup', or 'default' (the project's default drafter)")
+    g.add_argument("--no-draft", action="store_true", help="plain target decoding, no speculation")
+    p.add_argument("-k", "--num-draft-tokens", type=int, default=4, help="K, tokens drafted per target pass")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (reported back when omitted)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--max-seq-len", type=int, default=4096)
+
+
+def run(args: argparse.Namespace) -> int:
+    # Validate the cheap things before loading anything.
+    from pipeline.config import EngineConfig, SamplingParams, SpecParams
+
+    if args.num_draft_tokens < 1:
+        raise ValueError(f"-k must be >= 1, got {args.num_draft_tokens} (use --no-draft to turn speculation off)")
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        max_tokens=args.max_tokens, stop=tuple(args.stop),
+    ).with_seed()
+    spec = SpecParams(num_draft_tokens=args.num_draft_tokens)
+
+    import torch
+
+    from pipeline.engine import DEFAULT_DRAFT, SpeculativeEngine
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    draft = None if args.no_draft else (DEFAULT_DRAFT if args.draft in (None, "default") else args.draft)
+    config = EngineConfig(max_batch_size=1, max_seq_len=args.max_seq_len, device=args.device, dtype=args.dtype)
+    engine = SpeculativeEngine.from_pretrained(args.target, draft, config)
+
+    result = None
+    for event in engine.stream(args.prompt, params, spec, chat=args.chat):
+        if not args.json and event.text:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+        result = event.result or result
+    assert result is not None
+    if args.json:
+        json.dump(_as_json(result, draft), sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        s = result.stats
+        sys.stdout.write("\n")
+        sys.stderr.write(
+            f"[{s['generated']} tokens in {s['wall_time_s']:.2f} s, {s['tokens_per_s']:.1f} tok/s, "
+            f"{s['mean_accepted_tokens']:.2f} tokens/pass, acceptance {s['acceptance_rate']:.2f}, "
+            f"drafter {draft or 'none'}, seed {result.seed}, finish {result.finish_reason}]\n"
+        )
+    return 0
+
+
+def _as_json(result: Any, draft: str | None) -> dict[str, Any]:
+    return {
+        "token_ids": result.token_ids,
+        "text": result.text,
+        "finish_reason": result.finish_reason,
+        "seed": result.seed,
+        "drafter": draft,
+        "stats": result.stats,
+    }
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("generate", help="generate text with speculative decoding (in-process)", description=__doc__)
+    add_arguments(p)
+    p.set_defaults(func=run)
