@@ -141,8 +141,9 @@ class Coordinator:
         )
         if self.tokenizer is not None:
             state.attach_tokenizer(self.tokenizer)
-        await self.store.create(state.request_id, self.owner, state.to_dict(), kind=request["kind"],
-                                model=request["model"], created=request["created"], spec=request["spec"])
+        with tracing.span("coordinator.admit", parent=request.get("trace"), request_id=state.request_id):
+            await self.store.create(state.request_id, self.owner, state.to_dict(), kind=request["kind"],
+                                    model=request["model"], created=request["created"], spec=request["spec"])
         async for event in self._loop(state, request["spec"], prefer_target=None, trace=request.get("trace")):
             yield event
 
