@@ -27,6 +27,10 @@ class ModelInfo:
     architecture: str  # e.g. "LlamaForCausalLM"
     num_parameters: int
     fast_path: bool  # True: the pure-torch Llama-family runner; False: the generic HF fallback
+    # Reduced draft vocabulary (models/draft_vocab.py): logit j is token output_token_ids[j]; the model
+    # takes token ids < input_vocab_size. None: logit j is token j and input ids < vocab_size.
+    output_token_ids: tuple[int, ...] | None = None
+    input_vocab_size: int | None = None
 
 
 class CausalLM(Protocol):

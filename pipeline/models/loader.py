@@ -90,6 +90,21 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(device)
         vocab_size = model.get_output_embeddings().weight.shape[0]
 
+    # A reduced draft vocabulary (a drafter made by `specserve distill`; see draft_vocab.py).
+    from pipeline.models.draft_vocab import MappedEmbedding, input_map, output_rows, read_draft_vocab
+
+    draft_vocab = read_draft_vocab(folder)
+    if draft_vocab is not None:
+        token_ids, target_vocab = draft_vocab
+        id_to_row = input_map(token_ids, target_vocab)
+        if reason is None:
+            model.tok_embeddings = MappedEmbedding(model.tok_embeddings, id_to_row)
+            model.output = output_rows(model.output.weight, len(token_ids))
+        else:
+            model.set_input_embeddings(MappedEmbedding(model.get_input_embeddings(), id_to_row))
+            model.set_output_embeddings(output_rows(model.get_output_embeddings().weight, len(token_ids)))
+        vocab_size = len(token_ids)
+
     info = ModelInfo(
         name=folder.name,
         path=str(folder),
@@ -99,6 +114,8 @@ def load_model(
         architecture=(config_dict.get("architectures") or [type(model).__name__])[0],
         num_parameters=sum(p.numel() for p in model.parameters()),  # shared (tied) tensors counted once
         fast_path=reason is None,
+        output_token_ids=None if draft_vocab is None else tuple(draft_vocab[0].tolist()),
+        input_vocab_size=None if draft_vocab is None else draft_vocab[1],
     )
     if reason is None:
         runner: CausalLM = LlamaCausalLM(model, info)
