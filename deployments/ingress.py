@@ -189,17 +189,18 @@ class OpenAIIngress:
         try:
             while True:
                 try:
-                    async for ev in stream:
-                        if "error" in ev:
-                            e = ev["error"]
-                            raise APIError(e["message"], ev.get("status", 500), e.get("type", "server_error"),
-                                           e.get("param"), e.get("code"))
-                        if ev["i"] <= delivered:
-                            continue
-                        delivered = ev["i"]
-                        yield ev
-                        if ev.get("finish"):
-                            return
+                    async for batch in stream:  # the coordinator yields lists of per-step events
+                        for ev in batch:
+                            if "error" in ev:
+                                e = ev["error"]
+                                raise APIError(e["message"], ev.get("status", 500), e.get("type", "server_error"),
+                                               e.get("param"), e.get("code"))
+                            if ev["i"] <= delivered:
+                                continue
+                            delivered = ev["i"]
+                            yield ev
+                            if ev.get("finish"):
+                                return
                     return
                 except (RayActorError, ActorUnavailableError) as err:
                     failovers += 1

@@ -41,8 +41,8 @@ class VerifyRow:
     tokens: list[int]  # [pending] + draft (1 + num_draft ids)
     params: Any  # pipeline.config.SamplingParams (seed fixed)
     step: int  # the request's target-pass counter (randomness key)
-    top_ids: Any = None  # [num_draft, k] int64 tensor: the draft's sparse support, or None (point masses)
-    top_probs: Any = None  # [num_draft, k] float32 tensor
+    top_ids: Any = None  # [num_draft, k] int64 array: the draft's sparse support, or None (point masses)
+    top_probs: Any = None  # [num_draft, k] float32 array
     prefix: Optional[list[int]] = None  # committed tokens [0, start) when the cache may lack them
 
 
@@ -191,7 +191,8 @@ def _pad_sparse(rows: Sequence[VerifyRow], K: int, torch) -> tuple[Any, Any]:
             row_ids = torch.tensor(r.tokens[1:], dtype=torch.int64)[:, None]  # [n, 1]
             row_probs = torch.ones(n, 1)
         else:
-            row_ids, row_probs = r.top_ids[:n].to(torch.int64), r.top_probs[:n].float()
+            row_ids = torch.as_tensor(r.top_ids[:n], dtype=torch.int64)
+            row_probs = torch.as_tensor(r.top_probs[:n], dtype=torch.float32)
         kk = row_ids.shape[-1]
         ids[b, :n, :kk], probs[b, :n, :kk] = row_ids, row_probs
         if kk < k:

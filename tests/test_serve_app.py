@@ -203,7 +203,10 @@ def test_16_concurrent_streams_complete_with_the_engines_tokens(server, engine):
 
     prompts = [[1 + i, 7 + 3 * i, 11 + i, 40 + 5 * i] for i in range(16)]
     lengths = [24 + 3 * i for i in range(16)]
-    want = [reference(engine, p, temperature=0.0, max_tokens=n) for p, n in zip(prompts, lengths)]
+    from pipeline.config import SamplingParams, SpecParams
+
+    want = [r.token_ids for r in engine.generate_batch(
+        prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths], SpecParams(K))]
     target = ray.get_actor(next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                                 if a["name"].startswith(f"{APP}:Target:")), namespace="specserve-workers")
     before = ray.get(target.stats.remote())

@@ -1,0 +1,222 @@
+"""Benchmark of the full HTTP pipeline against the core engine in this process, in the same run.
+
+    python -m deployments.benchmark                        # demo pair, Spec-Bench prompts, greedy
+    python -m deployments.benchmark --threads 2 --concurrency 1,4,16 --out bench-serve
+
+1. One stream: per prompt, the in-process `SpeculativeEngine` (same target, drafter, K, torch threads as
+   the target worker) and the same request through HTTP -> Serve ingress -> coordinator -> target worker,
+   alternating which goes first, so that machine noise hits both alike. Greedy outputs are compared token
+   for token. Reported: tokens/s (total tokens / total request time), TTFT and inter-chunk latency
+   percentiles; the ratio HTTP/engine.
+2. 1, 4, 16 concurrent HTTP streams: aggregate tokens/s, TTFT and inter-chunk latency percentiles, and
+   the engine's batched `generate_batch` tokens/s on the same prompts for reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    i = min(len(s) - 1, max(0, int(round(q / 100 * (len(s) - 1)))))
+    return s[i]
+
+
+def summary_ms(values: list[float]) -> dict[str, float]:
+    return {f"p{q}": pct(values, q) * 1e3 for q in (50, 90, 99)}
+
+
+async def http_stream(client, url: str, body: dict) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    times, ids, spec = [], [], {}
+    async with client.stream("POST", url, json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                raise RuntimeError(data["error"])
+            if data["choices"]:
+                got = data["choices"][0]["token_ids"]
+                if got:
+                    times.append(time.perf_counter())
+                    ids += got
+            else:
+                spec = data.get("speculation", {})
+    end = time.perf_counter()
+    return {"ids": ids, "ttft": times[0] - t0 if times else None, "gaps": [b - a for a, b in zip(times, times[1:])],
+            "seconds": end - t0, "spec": spec}
+
+
+def engine_stream(engine, ids: list[int], params, spec) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    times, out = [], []
+    for ev in engine.stream(ids, params, spec):
+        if ev.token_ids:
+            times.append(time.perf_counter())
+            out += ev.token_ids
+    end = time.perf_counter()
+    return {"ids": out, "ttft": times[0] - t0, "gaps": [b - a for a, b in zip(times, times[1:])], "seconds": end - t0}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--per-category", type=int, default=1, help="Spec-Bench prompts per category")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("-k", "--num-draft-tokens", type=int, default=4)
+    p.add_argument("--threads", type=int, default=1, help="torch threads: engine here and the target worker")
+    p.add_argument("--concurrency", default="1,4,16")
+    p.add_argument("--no-overlap", action="store_true")
+    p.add_argument("--out", default="bench-serve")
+    args = p.parse_args(argv)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+    import httpx
+    import ray
+    import torch
+    from ray import serve
+
+    from deployments.app import build_app
+    from pipeline.config import EngineConfig, SamplingParams, SpecParams
+    from pipeline.engine import SpeculativeEngine
+    from pipeline.models.store import resolve
+    from specserve.bench import DEFAULT_PROMPTS, load_prompts, machine
+
+    torch.set_num_threads(args.threads)
+    target = str(resolve(None))
+    engine = SpeculativeEngine.from_pretrained(target, "prompt-lookup", EngineConfig(max_batch_size=16, max_seq_len=2048))
+    samples = load_prompts(DEFAULT_PROMPTS, args.per_category)
+    prompts = [engine.encode(s.prompt, chat=True) for s in samples]
+    params = SamplingParams(max_tokens=args.max_tokens, seed=0)
+    spec = SpecParams(args.num_draft_tokens)
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    port = 8000 + os.getpid() % 1000
+    quiet = {"log_level": "WARNING", "enable_access_log": False}
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=quiet)
+    cfg = {"target": {"model": target, "max_seq_len": 2048, "resources": {"torch_threads": args.threads}},
+           "drafter": {"method": "prompt_lookup"}, "speculation": {"num_draft_tokens": args.num_draft_tokens},
+           "coordinator": {"overlap": not args.no_overlap}}
+    serve.run(build_app(cfg), name="bench", route_prefix="/", logging_config=quiet)
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    model = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
+
+    def body(ids: list[int]) -> dict:
+        return {"model": model, "prompt": ids, "max_tokens": args.max_tokens, "temperature": 0, "seed": 0,
+                "stream": True, "speculation": {"num_draft_tokens": args.num_draft_tokens}}
+
+    async def run_http(batch: list[list[int]]) -> tuple[list[dict], float]:
+        async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as client:
+            t0 = time.perf_counter()
+            res = await asyncio.gather(*[http_stream(client, url, body(ids)) for ids in batch])
+            return res, time.perf_counter() - t0
+
+    # warm-up both paths
+    engine.generate(prompts[0], SamplingParams(max_tokens=8, seed=0), spec)
+    asyncio.run(run_http([prompts[0][:32]]))
+
+    # 1. one stream, interleaved with the engine
+    single = {"engine": [], "http": []}
+    mismatches = 0
+    for i, ids in enumerate(prompts):
+        order = ("engine", "http") if i % 2 == 0 else ("http", "engine")
+        got = {}
+        for who in order:
+            got[who] = engine_stream(engine, ids, params, spec) if who == "engine" else asyncio.run(run_http([ids]))[0][0]
+            single[who].append(got[who])
+        mismatches += got["engine"]["ids"] != got["http"]["ids"]
+        print(f"prompt {i}: {len(got['engine']['ids'])} tokens, engine {got['engine']['seconds']:.2f}s, "
+              f"http {got['http']['seconds']:.2f}s", flush=True)
+
+    def agg(rows: list[dict]) -> dict[str, Any]:
+        tokens, secs = sum(len(r["ids"]) for r in rows), sum(r["seconds"] for r in rows)
+        return {"tokens": tokens, "seconds": secs, "tokens_per_s": tokens / secs,
+                "ttft_ms": summary_ms([r["ttft"] for r in rows]),
+                "itl_ms": summary_ms([g for r in rows for g in r["gaps"]])}
+
+    result: dict[str, Any] = {
+        "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "target": target, "drafter": "prompt-lookup",
+        "k": args.num_draft_tokens, "max_tokens": args.max_tokens, "threads": args.threads, "prompts": len(prompts),
+        "overlap": not args.no_overlap, "load_average_start": os.getloadavg(),
+        "single": {"engine": agg(single["engine"]), "http": agg(single["http"]), "greedy_mismatches": mismatches},
+    }
+    result["single"]["ratio"] = result["single"]["http"]["tokens_per_s"] / result["single"]["engine"]["tokens_per_s"]
+    result["single"]["mean_accepted_tokens"] = statistics.mean(
+        r["spec"].get("mean_accepted_tokens", 0) for r in single["http"])
+
+    # 2. concurrency
+    result["concurrency"] = {}
+    for c in [int(x) for x in args.concurrency.split(",")]:
+        batch = [prompts[i % len(prompts)] for i in range(c)]
+        res, wall = asyncio.run(run_http(batch))
+        tokens = sum(len(r["ids"]) for r in res)
+        t0 = time.perf_counter()
+        eng = engine.generate_batch(batch, params, spec)
+        eng_wall = time.perf_counter() - t0
+        result["concurrency"][c] = {
+            "http_tokens_per_s": tokens / wall, "wall_s": wall, "tokens": tokens,
+            "ttft_ms": summary_ms([r["ttft"] for r in res]), "itl_ms": summary_ms([g for r in res for g in r["gaps"]]),
+            "engine_batch_tokens_per_s": sum(len(r.token_ids) for r in eng) / eng_wall,
+        }
+        print(f"concurrency {c}: http {tokens / wall:.1f} tok/s", flush=True)
+    result["load_average_end"] = os.getloadavg()
+    serve.shutdown()
+    ray.shutdown()
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serve_bench.json").write_text(json.dumps(result, indent=1))
+    md = markdown(result)
+    (out / "serve_bench.md").write_text(md)
+    print(md)
+    return result
+
+
+def markdown(r: dict[str, Any]) -> str:
+    s = r["single"]
+    lines = [
+        f"Machine: {r['machine']}; {r['date']}; target `{Path(r['target']).name}`, drafter {r['drafter']}, "
+        f"K={r['k']}, greedy, max_tokens={r['max_tokens']}, {r['prompts']} Spec-Bench prompts, torch threads "
+        f"{r['threads']} (engine and target worker), overlap {'on' if r['overlap'] else 'off'}; load average "
+        f"{r['load_average_start'][0]:.1f} at start, {r['load_average_end'][0]:.1f} at end.",
+        "",
+        "| one stream | tokens/s | TTFT p50 / p90 / p99 (ms) | inter-chunk p50 / p90 / p99 (ms) |",
+        "|---|---|---|---|",
+    ]
+    for who in ("engine", "http"):
+        a = s[who]
+        lines.append(f"| {'core engine, in process' if who == 'engine' else 'HTTP pipeline (Serve)'} | "
+                     f"{a['tokens_per_s']:.1f} | {a['ttft_ms']['p50']:.0f} / {a['ttft_ms']['p90']:.0f} / "
+                     f"{a['ttft_ms']['p99']:.0f} | {a['itl_ms']['p50']:.1f} / {a['itl_ms']['p90']:.1f} / "
+                     f"{a['itl_ms']['p99']:.1f} |")
+    lines += [
+        "",
+        f"HTTP / engine tokens/s: **{s['ratio']:.2f}x** (greedy outputs identical: "
+        f"{r['prompts'] - s['greedy_mismatches']}/{r['prompts']}; mean tokens per target pass "
+        f"{s['mean_accepted_tokens']:.2f}).",
+        "",
+        "| concurrent streams | HTTP tokens/s | TTFT p50 / p90 / p99 (ms) | inter-chunk p50 / p90 / p99 (ms) "
+        "| engine generate_batch tokens/s |",
+        "|---|---|---|---|---|",
+    ]
+    for c, a in r["concurrency"].items():
+        lines.append(f"| {c} | {a['http_tokens_per_s']:.1f} | {a['ttft_ms']['p50']:.0f} / {a['ttft_ms']['p90']:.0f} / "
+                     f"{a['ttft_ms']['p99']:.0f} | {a['itl_ms']['p50']:.1f} / {a['itl_ms']['p90']:.1f} / "
+                     f"{a['itl_ms']['p99']:.1f} | {a['engine_batch_tokens_per_s']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
