@@ -1,0 +1,356 @@
+"""Static-shape decode/verify path for the Llama family: CUDA graphs over the preallocated KV cache.
+
+`GraphCausalLM` wraps a `LlamaCausalLM` and implements the same `CausalLM` protocol. A decode (T = 1) or
+verify (T = K+1) call is padded to a bucket `(Bb, Tb, Sb)` (batch rows, fed tokens, keys read from the cache)
+and runs as one captured CUDA graph: one launch, no host sync inside. Everything else (prefill, shapes past
+the largest bucket, positions near the end of the cache) runs on the wrapped eager runner.
+
+Static shapes, step by step:
+- Rows past B are padding: they feed token 0 at position 0 into a *scratch slot* (one extra cache slot that
+  no request owns), so they never touch a real request's cache.
+- Columns past T are padding too: they write K/V at positions past the row's real tokens, which the cache
+  protocol already allows (stale entries beyond a row's length are never attended to and get overwritten
+  before any query reaches them; base.py).
+- Keys are read up to `Sb`, the row maximum of `position + Tb` rounded up to `kv_block`, instead of the exact
+  data-dependent length; a per-row mask hides the rest. `Sb` comes from the host: free when `positions` is a
+  CPU tensor (the engine builds positions from its own lists), one deliberate sync when it lives on the device.
+- Queries of the G = n_heads / n_kv_heads heads that share a KV head are stacked along the query axis
+  (`[B, Hkv, G*T, D]`), so attention reads each cached key once and needs no GQA expansion.
+
+Weights: q/k/v and gate/up projections are fused into one matrix each (the eager runner's parameters become
+views into them, so no memory is duplicated). With `compile=True` (default on CUDA) the per-layer pointwise
+work (RMSNorm, RoPE, SiLU-gate, residuals) is fused by `torch.compile`; the cache write, the slot gather and
+attention stay eager ops inside the graph (no compiled code mutates the cache).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.models.base import CausalLM
+from pipeline.models.llama import LlamaCausalLM, apply_rope
+
+log = logging.getLogger(__name__)
+_fallback_warned: set[str] = set()
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+    token_buckets: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8, 12, 16)  # T = K+1 of a verify call
+    kv_block: int = 256  # keys are read in multiples of this many positions
+    graphs: bool | None = None  # capture CUDA graphs; None: when the model is on a CUDA device
+    compile: bool | None = None  # torch.compile the per-layer pointwise work; None: when on CUDA
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket >= n, or None when n is past the largest."""
+    for b in buckets:
+        if b >= n:
+            return b
+    return None
+
+
+def plan_shape(B: int, T: int, max_pos: int, max_len: int, cfg: GraphConfig) -> tuple[int, int, int] | None:
+    """(Bb, Tb, Sb) for a call of B rows x T tokens whose largest start position is max_pos; None: eager."""
+    Bb, Tb = bucket(B, cfg.batch_buckets), bucket(T, cfg.token_buckets)
+    if Bb is None or Tb is None or max_pos + Tb > max_len:
+        return None
+    need = max_pos + Tb  # keys [0, need) cover every (padded) query position
+    return Bb, Tb, min(-(-need // cfg.kv_block) * cfg.kv_block, max_len)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The per-layer math, as free functions of tensors (so one compiled version serves every layer)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm: normalise in float32, cast back, then scale (as llama.RMSNorm)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def attn_in(
+    x: torch.Tensor,  # [B, T, C]
+    norm_w: torch.Tensor,  # [C]
+    wqkv: torch.Tensor,  # [(H + 2 Hkv) D, C]
+    bqkv: torch.Tensor | None,
+    cos: torch.Tensor,  # [B, T, 1, D]
+    sin: torch.Tensor,  # [B, T, 1, D]
+    eps: float,
+    n_heads: int,
+    n_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [B, Hkv, G*T, D]; k, v [B*T*Hkv, D]
+    B, T, _ = x.shape
+    D = cos.shape[-1]
+    G = n_heads // n_kv_heads
+    qkv = F.linear(rms_norm(x, norm_w, eps), wqkv, bqkv)  # [B, T, (H + 2 Hkv) D]
+    q, k, v = qkv.split([n_heads * D, n_kv_heads * D, n_kv_heads * D], dim=-1)
+    q = apply_rope(q.view(B, T, n_heads, D), cos, sin)  # [B, T, H, D]; head h = j*G + g
+    k = apply_rope(k.view(B, T, n_kv_heads, D), cos, sin)  # [B, T, Hkv, D]
+    q = q.view(B, T, n_kv_heads, G, D).permute(0, 2, 3, 1, 4).reshape(B, n_kv_heads, G * T, D)
+    return q, k.reshape(B * T * n_kv_heads, D), v.reshape(B * T * n_kv_heads, D)
+
+
+def attn_out_mlp(
+    x: torch.Tensor,  # [B, T, C] residual stream
+    y: torch.Tensor,  # [B, Hkv, G*T, D] attention output
+    wo: torch.Tensor,
+    bo: torch.Tensor | None,
+    norm_w: torch.Tensor,
+    w13: torch.Tensor,  # [2 I, C]: gate rows, then up rows
+    b13: torch.Tensor | None,
+    w2: torch.Tensor,
+    b2: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:  # [B, T, C]
+    B, T, C = x.shape
+    Hkv, GT, D = y.shape[1:]
+    G = GT // T
+    y = y.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hkv * G * D)  # [B, T, H*D]
+    x = x + F.linear(y, wo, bo)
+    gate, up = F.linear(rms_norm(x, norm_w, eps), w13, b13).chunk(2, dim=-1)  # [B, T, I] each
+    return x + F.linear(F.silu(gate) * up, w2, b2)
+
+
+def final_logits(x: torch.Tensor, norm_w: torch.Tensor, w_out: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.linear(rms_norm(x, norm_w, eps), w_out).float()  # [B, T, V] float32
+
+
+@dataclass
+class _LayerWeights:
+    attn_norm: torch.Tensor
+    wqkv: torch.Tensor
+    bqkv: torch.Tensor | None
+    wo: torch.Tensor
+    bo: torch.Tensor | None
+    ffn_norm: torch.Tensor
+    w13: torch.Tensor
+    b13: torch.Tensor | None
+    w2: torch.Tensor
+    b2: torch.Tensor | None
+
+
+def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the linears' weights (and biases) row-wise, then make each linear's parameters views into
+    the fused tensors, so the eager runner keeps working and no memory is duplicated."""
+    weight = torch.cat([m.weight.detach() for m in linears])
+    bias = torch.cat([m.bias.detach() for m in linears]) if linears[0].bias is not None else None
+    row = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(weight[row : row + n], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[row : row + n], requires_grad=False)
+        row += n
+    return weight, bias
+
+
+@dataclass
+class _Graph:
+    graph: Any  # torch.cuda.CUDAGraph, or None when shapes are static but not captured (CPU)
+    logits: torch.Tensor  # [Bb, Tb, V] float32, the static output (shared by the graphs of one (Bb, Tb))
+
+
+@dataclass
+class GraphStats:
+    graph_calls: int = 0  # forwards served by the static path (captured or not)
+    eager_calls: int = 0  # forwards passed to the wrapped eager runner (prefill, too large)
+    captures: int = 0
+    host_syncs: int = 0  # forwards whose positions lived on the device (one sync each to bucket them)
+    shapes: dict = field(default_factory=dict)  # (Bb, Tb, Sb) -> calls
+
+
+class GraphCausalLM:
+    """`CausalLM` for decode and verify shapes over static buckets, CUDA-graph captured on CUDA."""
+
+    def __init__(self, runner: LlamaCausalLM, config: GraphConfig | None = None) -> None:
+        self.runner = runner
+        self.info = runner.info
+        self.args = runner.args
+        self.device, self.dtype = runner.device, runner.dtype
+        self.config = cfg = config or GraphConfig()
+        assert list(cfg.batch_buckets) == sorted(cfg.batch_buckets), "batch_buckets must be increasing"
+        assert list(cfg.token_buckets) == sorted(cfg.token_buckets), "token_buckets must be increasing"
+        on_cuda = self.device.type == "cuda"
+        self.use_graphs = on_cuda if cfg.graphs is None else cfg.graphs
+        use_compile = on_cuda if cfg.compile is None else cfg.compile
+        if self.use_graphs and not on_cuda:
+            raise ValueError(f"CUDA graphs need a CUDA model, this one is on {self.device}")
+        self.stats = GraphStats()
+        self._graphs: dict[tuple[int, int, int], _Graph] = {}
+        self._pool = None
+        m = runner.model
+        self._layers = []
+        for layer in m.layers:
+            at, ff = layer.attention, layer.feed_forward
+            wqkv, bqkv = _fuse([at.wq, at.wk, at.wv])
+            w13, b13 = _fuse([ff.w1, ff.w3])
+            self._layers.append(_LayerWeights(
+                layer.attention_norm.weight, wqkv, bqkv, at.wo.weight, at.wo.bias,
+                layer.ffn_norm.weight, w13, b13, ff.w2.weight, ff.w2.bias,
+            ))
+        self._attn_in: Callable = attn_in
+        self._attn_out_mlp: Callable = attn_out_mlp
+        if use_compile:
+            # Sizes 1 are specialised (decode T = 1, batch 1) and every model shape compiles its own versions:
+            # allow more than dynamo's default 8 versions per function.
+            cfg_dynamo = torch._dynamo.config
+            cfg_dynamo.recompile_limit = max(cfg_dynamo.recompile_limit, 64)
+            self._attn_in = torch.compile(attn_in, fullgraph=True)
+            self._attn_out_mlp = torch.compile(attn_out_mlp, fullgraph=True)
+        self._bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._outs: dict[tuple[int, int], torch.Tensor] = {}  # (Bb, Tb) -> static logits, shared by every Sb
+        if runner.num_slots > 0:
+            self.allocate(runner.num_slots, runner.max_len)
+
+    # -- the protocol ------------------------------------------------------------------------------------
+    @property
+    def num_slots(self) -> int:
+        return max(self.runner.num_slots - 1, 0)  # the last runner slot is the scratch slot
+
+    @property
+    def max_len(self) -> int:
+        return self.runner.max_len
+
+    def allocate(self, num_slots: int, max_len: int) -> None:
+        self._graphs.clear()  # captured graphs point at the old cache
+        self._outs.clear()
+        self.runner.allocate(num_slots + 1, max_len)
+        Bmax, Tmax = self.config.batch_buckets[-1], self.config.token_buckets[-1]
+        self._bufs = (
+            torch.zeros(Bmax, Tmax, dtype=torch.int64, device=self.device),  # tokens
+            torch.zeros(Bmax, dtype=torch.int64, device=self.device),  # positions
+            torch.full((Bmax,), num_slots, dtype=torch.int64, device=self.device),  # slots (scratch)
+        )
+        self._arange = torch.arange(max(max_len, Tmax), device=self.device)
+
+    def cache_bytes(self) -> int:
+        return self.runner.cache_bytes()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [B, T] int64
+        positions: torch.Tensor,  # [B] int64 position of tokens[:, 0] (CPU: no sync)
+        slots: torch.Tensor,  # [B] int64 distinct slots < num_slots
+        logits_from: int = 0,
+    ) -> torch.Tensor:  # [B, T - logits_from, V] float32
+        assert self._bufs is not None, "call allocate(num_slots, max_len) before forward"
+        B, T = tokens.shape
+        assert 0 <= logits_from < T, f"logits_from must be in [0, {T}), got {logits_from}"
+        if positions.device.type != "cpu":
+            self.stats.host_syncs += 1
+        max_pos = int(positions.max())  # free on CPU; the deliberate sync otherwise
+        shape = plan_shape(B, T, max_pos, self.max_len, self.config)
+        if shape is None:
+            self.stats.eager_calls += 1
+            return self.runner.forward(tokens, positions, slots, logits_from)
+        Bb, Tb, Sb = shape
+        tok_buf, pos_buf, slot_buf = self._bufs
+        tok_buf[:Bb, :Tb].zero_()
+        tok_buf[:B, :T].copy_(tokens, non_blocking=True)
+        pos_buf[B:Bb].zero_()
+        pos_buf[:B].copy_(positions, non_blocking=True)
+        slot_buf[B:Bb].fill_(self.num_slots)  # padding rows -> the scratch slot
+        slot_buf[:B].copy_(slots, non_blocking=True)
+        entry = self._graphs.get(shape)
+        if entry is None:
+            entry = self._graphs[shape] = self._capture(shape)
+        elif entry.graph is not None:
+            entry.graph.replay()
+        else:
+            self._static_forward(tok_buf[:Bb, :Tb], pos_buf[:Bb], slot_buf[:Bb], Sb, entry.logits)
+        self.stats.graph_calls += 1
+        self.stats.shapes[shape] = self.stats.shapes.get(shape, 0) + 1
+        return entry.logits[:B, logits_from:T].clone()
+
+    __call__ = forward
+
+    # -- capture -------------------------------------------------------------------------------------------
+    def _capture(self, shape: tuple[int, int, int]) -> _Graph:
+        """Run the shape once (its result is this call's answer) and, on CUDA, capture it for replays."""
+        Bb, Tb, Sb = shape
+        tok_buf, pos_buf, slot_buf = self._bufs
+        out = self._outs.get((Bb, Tb))
+        if out is None:
+            out = self._outs[(Bb, Tb)] = torch.empty(Bb, Tb, self.runner.model.output.weight.shape[0], device=self.device)
+        args = (tok_buf[:Bb, :Tb], pos_buf[:Bb], slot_buf[:Bb], Sb, out)
+        if not self.use_graphs:
+            self._static_forward(*args)
+            return _Graph(None, out)
+        # Warm up on a side stream (compilation, cuBLAS workspaces), as torch.cuda.graphs recommends. The
+        # warm-up writes this call's own K/V, which the replay writes again (same values, same places).
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._static_forward(*args)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._static_forward(*args)
+        graph.replay()
+        self.stats.captures += 1
+        return _Graph(graph, out)
+
+    def _static_forward(
+        self,
+        tokens: torch.Tensor,  # [B, T] (already padded)
+        positions: torch.Tensor,  # [B]
+        slots: torch.Tensor,  # [B]
+        S: int,  # keys read per row
+        out: torch.Tensor,  # [B, T, V] float32, written
+    ) -> None:
+        a = self.args
+        B, T = tokens.shape
+        Hkv, D, L = a.n_kv_heads, a.head_dim, self.max_len
+        G = a.n_heads // Hkv
+        pos = positions[:, None] + self._arange[:T]  # [B, T]
+        cos = self.runner._cos[pos].unsqueeze(2)  # [B, T, 1, D]
+        sin = self.runner._sin[pos].unsqueeze(2)
+        key_pos = self._arange[:S]  # [S]
+        allowed = key_pos[None, None, :] <= pos[:, :, None]  # [B, T, S]
+        if a.sliding_window is not None:
+            allowed &= key_pos[None, None, :] > pos[:, :, None] - a.sliding_window
+        mask = torch.zeros(B, T, S, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        mask = mask[:, None, None].expand(B, 1, G, T, S).reshape(B, 1, G * T, S)  # query index g*T + t
+        # Row of the flattened cache [num_slots * Hkv * L, D] that token (b, t), KV head j writes.
+        rows = (slots[:, None, None] * Hkv + self._arange[:Hkv]) * L + pos[:, :, None]  # [B, T, Hkv]
+        rows = rows.reshape(-1)
+
+        x = self.runner.model.tok_embeddings(tokens)  # [B, T, C]
+        for w, k_cache, v_cache in zip(self._layers, self.runner.k_caches, self.runner.v_caches):
+            q, k, v = self._attn_in(x, w.attn_norm, w.wqkv, w.bqkv, cos, sin, a.norm_eps, a.n_heads, Hkv)
+            k_cache.view(-1, D).index_copy_(0, rows, k)
+            v_cache.view(-1, D).index_copy_(0, rows, v)
+            keys = k_cache[:, :, :S].index_select(0, slots)  # [B, Hkv, S, D]
+            values = v_cache[:, :, :S].index_select(0, slots)
+            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, Hkv, G*T, D]
+            x = self._attn_out_mlp(x, y, w.wo, w.bo, w.ffn_norm, w.w13, w.b13, w.w2, w.b2, a.norm_eps)
+        m = self.runner.model
+        out.copy_(final_logits(x, m.norm.weight, m.output.weight, a.norm_eps))
+
+
+def maybe_graphs(model: CausalLM, config: GraphConfig | None = None) -> CausalLM:
+    """Wrap a Llama-family runner in `GraphCausalLM`; any other runner is returned as is (said once)."""
+    if isinstance(model, GraphCausalLM):
+        return model
+    if isinstance(model, LlamaCausalLM):
+        return GraphCausalLM(model, config)
+    name = getattr(model.info, "architecture", type(model).__name__)
+    if name not in _fallback_warned:
+        _fallback_warned.add(name)
+        log.warning("%s is not a Llama-family fast-path model: no static-shape graph path, using the generic runner",
+                    name)
+    return model
