@@ -1,0 +1,94 @@
+"""The per-step K policy: literal values of the pure functions, and a simulated server whose target turns
+compute-bound under load, where speculation must switch itself off (and stay on where it pays)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pipeline.adaptive import (
+    AdaptiveK,
+    acceptance_rate,
+    batch_bucket,
+    best_k,
+    default_candidates,
+    expected_tokens,
+    interpolate_costs,
+)
+
+
+@pytest.mark.parametrize(
+    "alpha, k, want",
+    [(0.0, 0, 1.0), (0.0, 4, 1.0), (0.5, 0, 1.0), (0.5, 1, 1.5), (0.5, 3, 1.875), (0.8, 4, 3.3616), (1.0, 4, 5.0)],
+)
+def test_expected_tokens(alpha, k, want):
+    assert expected_tokens(alpha, k) == pytest.approx(want)
+
+
+def test_acceptance_rate_and_buckets():
+    assert acceptance_rate(0, 0) == 0.5  # the Beta(1, 1) prior
+    assert acceptance_rate(8, 2) == pytest.approx(9 / 12)
+    assert [batch_bucket(b) for b in (1, 2, 3, 5, 16, 17)] == [1, 2, 4, 8, 16, 32]
+    assert default_candidates(4) == (0, 1, 2, 3, 4)
+    assert default_candidates(9) == (0, 1, 2, 3, 4, 6, 8, 9)
+
+
+def test_best_k_prefers_no_speculation_when_verifying_costs_more():
+    flat = {0: 1.0, 1: 1.0, 2: 1.0, 4: 1.05}  # memory-bound: verifying 5 tokens ~ decoding 1
+    assert best_k(0.7, flat) == 4
+    assert best_k(0.0, flat) == 0  # nothing is ever accepted: drafting is pure cost
+    steep = {0: 1.0, 1: 1.9, 2: 2.8, 4: 4.6}  # compute-bound: cost grows with the tokens verified
+    assert best_k(0.7, steep) == 0
+    assert best_k(0.5, {0: 1.0, 2: 1.75}) == 0  # a tie (1.75 / 1.75) goes to the smaller K
+
+
+def test_interpolate_costs():
+    got = interpolate_costs({0: 1.0, 1: 1.5, 4: 2.0}, [0, 1, 2, 3, 4, 6])
+    assert got == pytest.approx({0: 1.0, 1: 1.5, 2: 1.5 + 0.5 / 3, 3: 1.5 + 1.0 / 3, 4: 2.0, 6: 2.0 + 2 * 0.5 / 3})
+    assert interpolate_costs({1: 2.0}, [0, 1, 3]) == {0: 2.0, 1: 2.0, 3: 2.0}
+    assert interpolate_costs({0: 2.0, 1: 1.0}, [4]) == {4: 1.0}  # never a negative slope
+
+
+def _simulate(policy: AdaptiveK | None, k_fixed: int, batch: int, alpha: float, steps: int = 600) -> float:
+    """Tokens per second of a simulated server: a roofline target (memory floor 1.0, then linear in the
+    tokens verified per pass) plus a drafter costing 0.05 per drafted token."""
+    rng = random.Random(0)
+    tokens = seconds = 0.0
+    for _ in range(steps):
+        k = policy.choose(batch, 4) if policy else k_fixed
+        cost = max(1.0, batch * (k + 1) / 24) + 0.05 * k
+        accepted = []
+        for _ in range(batch):
+            n = 0
+            while n < k and rng.random() < alpha:
+                n += 1
+            accepted.append(n)
+        tokens += sum(a + 1 for a in accepted)
+        seconds += cost
+        if policy:
+            policy.observe(batch, k, cost, [k] * batch, accepted)
+    return tokens / seconds
+
+
+@pytest.mark.parametrize("batch, alpha", [(1, 0.8), (4, 0.6), (32, 0.8), (64, 0.5), (1, 0.05)])
+def test_policy_is_never_worse_than_no_speculation(batch, alpha):
+    policy = AdaptiveK(max_k=4)
+    on = _simulate(policy, 0, batch, alpha)
+    off = _simulate(None, 0, batch, alpha)
+    best_fixed = max(_simulate(None, k, batch, alpha) for k in range(5))
+    assert on >= 0.99 * off  # the exploration steps are the only loss
+    assert on >= 0.95 * best_fixed
+    if batch >= 32:
+        assert policy.choose(batch, 4) == 0 or policy.steps % policy.explore_every == 0
+    if batch == 1 and alpha > 0.5:
+        assert on > 1.8 * off
+
+
+def test_policy_follows_a_change_in_acceptance():
+    policy = AdaptiveK(max_k=4, explore_every=16)
+    _simulate(policy, 0, 1, 0.9, steps=200)
+    assert policy.choose(1, 4) == 4
+    _simulate(policy, 0, 1, 0.0, steps=600)  # the drafter stops agreeing with the target
+    assert policy.alpha < 0.2
+    assert policy.choose(1, 4) == 0
