@@ -19,6 +19,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from pipeline.adaptive import AdaptiveK
 from pipeline.config import EngineConfig, SamplingParams, SpecParams
 from pipeline.drafters import Drafter, DraftRequest, ModelDrafter, PromptLookupDrafter
 from pipeline.models.base import CausalLM
@@ -66,9 +67,15 @@ class SpeculativeEngine:
         tokenizer: Any | None = None,
         drafter: Drafter | None = None,
         config: EngineConfig | None = None,
+        k_policy: AdaptiveK | None = None,  # choose K per step from measured costs (None: always spec's K)
     ) -> None:
-        self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.config = config or EngineConfig()
+        if self.config.extra.get("graphs", True):  # static-shape CUDA-graph path for models on CUDA
+            target = _graphs_on_cuda(target)
+            if isinstance(drafter, ModelDrafter):
+                drafter.model = _graphs_on_cuda(drafter.model)
+        self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
+        self.k_policy = k_policy
         cache_len = self.config.max_seq_len + _CACHE_SLACK
         if target.num_slots < self.config.max_batch_size or target.max_len < cache_len:
             target.allocate(self.config.max_batch_size, cache_len)
@@ -227,9 +234,12 @@ class SpeculativeEngine:
         sampling = SamplingTensors.from_params([s.params for s in states], device)
         steps = torch.tensor([s.step for s in states], dtype=torch.int64, device=device)
         # Never draft past max_tokens: the last allowed token always comes from the target.
-        wants = [min(spec.num_draft_tokens, s.remaining - 1) if self.drafter else 0 for s in states]
-        K = max(wants)
         t0 = time.perf_counter()
+        k = spec.num_draft_tokens
+        if self.k_policy is not None and self.drafter is not None:
+            k = self.k_policy.choose(B, k)
+        wants = [min(k, s.remaining - 1) if self.drafter else 0 for s in states]
+        K = max(wants)
         if K > 0:
             rows = [DraftRequest(s.request_id, s.context, w) for s, w in zip(states, wants)]
             draft = self.drafter.propose(rows, K, sampling, steps, spec.draft_top_k).to(device)
@@ -238,8 +248,9 @@ class SpeculativeEngine:
         t1 = time.perf_counter()
         pending = torch.tensor([s.context[-1] for s in states], dtype=torch.int64, device=device)
         tokens = torch.cat([pending[:, None], draft.token_ids], dim=1)  # [B, K+1]
-        positions = torch.tensor([len(s.context) - 1 for s in states], dtype=torch.int64, device=device)
-        logits = self.target.forward(tokens, positions, torch.tensor(slots, device=device))  # [B, K+1, V]
+        # Positions and slots stay on the host: runners read them without a device sync.
+        positions = torch.tensor([len(s.context) - 1 for s in states], dtype=torch.int64)
+        logits = self.target.forward(tokens, positions, torch.tensor(slots, dtype=torch.int64))  # [B, K+1, V]
         verified = verify(logits, draft, sampling, steps)
         out = accept(verified, draft, sampling.seeds, steps)
         num_accepted = out.num_accepted.tolist()  # the step's one deliberate host sync
@@ -249,6 +260,8 @@ class SpeculativeEngine:
         self.timings.draft_s += t1 - t0
         self.timings.target_s += t2 - t1
         self.timings.steps += 1
+        if self.k_policy is not None and self.drafter is not None:
+            self.k_policy.observe(B, K, t2 - t0, num_draft, num_accepted)
 
         events = []
         for b, state in enumerate(states):
@@ -266,3 +279,12 @@ class SpeculativeEngine:
             seed=int(state.params.seed),
             stats=state.stats.summary(),
         )
+
+
+def _graphs_on_cuda(model: CausalLM) -> CausalLM:
+    """The static-shape graph runner for Llama-family models on a CUDA device; others unchanged."""
+    if torch.device(getattr(model, "device", "cpu")).type != "cuda":
+        return model
+    from pipeline.models.graphs import maybe_graphs
+
+    return maybe_graphs(model)
