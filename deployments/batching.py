@@ -52,6 +52,14 @@ class StepBatcher:
         self._wake.set()
         return await fut
 
+    def active(self, window_s: float = 2.0) -> int:
+        """Requests that submitted a row within the last `window_s` seconds (the autoscaling load: it cannot
+        leak, unlike per-request state left behind by a call that lands after its request was released)."""
+        now = time.monotonic()
+        for key in [k for k, t in self._last_seen.items() if now - t > max(window_s, _ACTIVE_WINDOW_S)]:
+            del self._last_seen[key]  # (also bounds the table when wait_ms is 0 and _expected never runs)
+        return len(self._last_seen)
+
     def forget(self, key: str) -> None:
         """The request finished here: stop expecting calls from it."""
         self._last_seen.pop(key, None)

@@ -66,7 +66,7 @@ class DrafterWorker:
 
     async def stats(self) -> dict[str, Any]:
         return {"batches": self.batcher.batches, "rows": self.batcher.rows, "compute_s": self.compute_s,
-                "requests": len(self._ctx)}
+                "requests": len(self._ctx), "active_requests": self.batcher.active()}
 
     async def propose(self, row: ProposeRow, trace: Optional[dict] = None) -> Any:
         """-> {"token_ids": [n] list, "top_ids": [n, k] int64 array, "top_probs": [n, k] float32 array} or
@@ -137,9 +137,9 @@ class DrafterServer:
         return self._info
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Serve autoscaling input: requests whose context this drafter holds (deployments/autoscaling.py)."""
+        """Serve autoscaling input: requests drafting here lately (deployments/autoscaling.py)."""
         stats = await self.workers[0].stats.remote()
-        return {ONGOING_REQUESTS: float(stats["requests"])}
+        return {ONGOING_REQUESTS: float(stats["active_requests"])}
 
     async def check_health(self) -> None:
         await asyncio.wait_for(self.workers[0].ping.remote(), 20.0)

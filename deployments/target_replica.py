@@ -87,7 +87,7 @@ class TargetWorker:
 
     async def stats(self) -> dict[str, Any]:
         return {"batches": self.batcher.batches, "rows": self.batcher.rows, "compute_s": self.compute_s,
-                "slots_used": len(self._slots)}
+                "slots_used": len(self._slots), "active_requests": self.batcher.active()}
 
     async def verify(self, row: VerifyRow, trace: Optional[dict] = None) -> dict[str, Any]:
         """-> {"accept_probs": [num_draft] floats, "target_tokens": [num_draft + 1] ids} or CACHE_MISS."""
@@ -218,9 +218,9 @@ class TargetServer:
         return self._info
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Serve autoscaling input: requests holding a KV slot here (deployments/autoscaling.py)."""
+        """Serve autoscaling input: requests verifying here lately (deployments/autoscaling.py)."""
         stats = await self.workers[0].stats.remote()
-        return {ONGOING_REQUESTS: float(stats["slots_used"])}
+        return {ONGOING_REQUESTS: float(stats["active_requests"])}
 
     async def check_health(self) -> None:
         await asyncio.wait_for(asyncio.gather(*[w.ping.remote() for w in self.workers]), 20.0)
