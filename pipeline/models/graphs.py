@@ -202,8 +202,9 @@ class GraphCausalLM:
         if use_compile:
             # Sizes 1 are specialised (decode T = 1, batch 1) and every model shape compiles its own versions:
             # allow more than dynamo's default 8 versions per function.
-            cfg_dynamo = torch._dynamo.config
-            cfg_dynamo.recompile_limit = max(cfg_dynamo.recompile_limit, 64)
+            dyn = torch._dynamo.config
+            name = "recompile_limit" if hasattr(dyn, "recompile_limit") else "cache_size_limit"
+            setattr(dyn, name, max(getattr(dyn, name), 64))
             self._attn_in = torch.compile(attn_in, fullgraph=True)
             self._attn_out_mlp = torch.compile(attn_out_mlp, fullgraph=True)
         self._bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
