@@ -25,9 +25,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("-o", "--out", default="bench-out", help="folder for bench.json, bench.md, bench.png")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--gpu", nargs=argparse.REMAINDER, default=None, metavar="ARGS",
+                   help="instead: the GPU step/demo benchmark (ops/gpu_bench.py) with ARGS (--help lists them)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.gpu is not None:
+        return _gpu_bench(args.gpu)
     if args.num_draft_tokens < 1:
         raise ValueError(f"-k must be >= 1, got {args.num_draft_tokens}")
     import torch
@@ -53,6 +57,16 @@ def run(args: argparse.Namespace) -> int:
         pass
     sys.stdout.write(table)
     return 0
+
+
+def _gpu_bench(argv: list[str]) -> int:
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "ops" / "gpu_bench.py"
+    spec = importlib.util.spec_from_file_location("gpu_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)
 
 
 def register(subparsers: Any) -> None:
