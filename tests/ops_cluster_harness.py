@@ -68,6 +68,21 @@ def port_open(port: int, host: str = "127.0.0.1") -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+def listeners(port: int) -> list[str]:
+    """Who listens on `port` (pid, command line), for failure messages."""
+    import psutil
+
+    out = []
+    for conn in psutil.net_connections("tcp"):
+        if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN:
+            try:
+                p = psutil.Process(conn.pid)
+                out.append(f"{conn.pid}: {' '.join(p.cmdline())[:200]} {MARK_ENV}={p.environ().get(MARK_ENV)}")
+            except (psutil.NoSuchProcess, psutil.AccessDenied, TypeError):
+                out.append(str(conn.pid))
+    return out
+
+
 def cluster_processes(mark: str) -> list[int]:
     import psutil
 
@@ -147,13 +162,19 @@ class LocalCluster:
             capture_output=True, text=True, timeout=30)
         assert out.stdout.strip().endswith(str(self.bin / "ray")), f"ssh login PATH check failed: {out}"
 
+        self.render()
+
+    def render(self) -> None:
+        """Write ops/cluster-local.yaml with this run's key, paths, ports, marker and name."""
         text = (ROOT / "ops" / "cluster-local.yaml").read_text()
         text = (text.replace("~/.ssh/id_ed25519", str(self.key))
                 .replace("~/specserve-local", str(self.node_dir))
                 .replace("$HOME/specserve-local", str(self.node_dir))
                 .replace("16379", str(self.gcs_port)).replace("18265", str(self.dashboard_port))
                 .replace("18080", str(self.metrics_port))
-                .replace("ray start", f"{MARK_ENV}={self.id} ray start"))
+                .replace("ray start", f"{MARK_ENV}={self.id} ray start")
+                # Export metrics every second (default 10 s) so a scrape sees them sooner.
+                .replace("ray start --head", "ray start --head --system-config='{\"metrics_report_interval_ms\": 1000}'"))
         config = yaml.safe_load(text)
         config["cluster_name"] = self.name
         self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -191,14 +212,21 @@ class LocalCluster:
         out = subprocess.run([str(Path(sys.executable).parent / "ray"), *args], cwd=ROOT, env=self.env(),
                              capture_output=True, text=True, timeout=timeout)
         self.log.append(f"$ ray {' '.join(args)}  ({time.time() - t:.1f} s, rc {out.returncode})\n"
-                        f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+                        f"{out.stdout[-8000:]}\n{out.stderr[-8000:]}")
         return out
 
-    def up(self) -> float:
+    def up(self, attempts: int = 2) -> float:
+        """`ray up`; once more with fresh ports if it fails (another process may take a port we picked)."""
         t = time.time()
-        out = self.ray("up", "-y", "--no-config-cache", str(self.config_path))
-        assert out.returncode == 0, "\n".join(self.log)
-        return time.time() - t
+        for attempt in range(attempts):
+            out = self.ray("up", "-y", "--no-config-cache", str(self.config_path))
+            if out.returncode == 0:
+                return time.time() - t
+            self.ray("down", "-y", str(self.config_path))
+            if attempt + 1 < attempts:
+                self.gcs_port, self.dashboard_port, self.metrics_port = free_port(), free_port(), free_port()
+                self.render()
+        raise AssertionError("ray up failed:\n" + "\n".join(self.log))
 
     def down(self) -> float:
         t = time.time()
