@@ -6,6 +6,12 @@ event loop must keep receiving calls while a pass runs). While a pass runs, the 
 form the next batch: continuous batching without any waiting. Before a pass starts, it waits at most
 `wait_ms` for requests known to be active on this worker that have not sent their call yet; a lone
 request never waits.
+
+Every decode row joins the next pass. Rows that feed many tokens (a row's `cost` attribute above
+SMALL_ROW: prompt prefills) join while their summed cost stays within `token_budget`, at least one per
+pass. Long prompt prefills thereby go one or a few per
+pass while the decode steps of running requests ride along, instead of every running request waiting until
+all new prompts are prefilled (the idea of chunked prefill, at request granularity).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any, Callable, Sequence
 from deployments import metrics
 
 _ACTIVE_WINDOW_S = 1.0  # a request that called within this window is expected to call again
+SMALL_ROW = 128  # rows feeding at most this many tokens (decode steps: K + 1) always join a pass
 
 
 class StepBatcher:
@@ -27,8 +34,10 @@ class StepBatcher:
         max_batch: int,
         wait_ms: float = 0.0,
         name: str = "batcher",
+        token_budget: int | None = None,  # None: no limit
     ) -> None:
         self._run_batch, self.max_batch, self.wait_s = run_batch, max_batch, wait_ms / 1000.0
+        self.token_budget = token_budget
         self.name = name
         self._queue: list[tuple[str, Any, asyncio.Future]] = []
         self._wake: asyncio.Event | None = None
@@ -73,15 +82,23 @@ class StepBatcher:
 
     def _take(self) -> list[tuple[str, Any, asyncio.Future]]:
         batch, rest, keys = [], [], set()
+        budget, took_large = self.token_budget, False
         for item in self._queue:
-            key, _, fut = item
+            key, row, fut = item
             if fut.done():  # cancelled by its caller while queued
                 continue
             if key in keys or len(batch) >= self.max_batch:
                 rest.append(item)
-            else:
-                keys.add(key)
-                batch.append(item)
+                continue
+            cost = getattr(row, "cost", 1)
+            if budget is not None and cost > SMALL_ROW:  # a prefill: bounded per pass, at least one
+                if took_large and cost > budget:
+                    rest.append(item)
+                    continue
+                budget -= cost
+                took_large = True
+            keys.add(key)
+            batch.append(item)
         self._queue = rest
         return batch
 
