@@ -328,3 +328,43 @@ def test_coordinator_accept_matches_pipeline_accept():
         got = _accept({"accept_probs": torch.tensor(probs, dtype=torch.float32).tolist(),
                        "target_tokens": targets}, draft, seed, step)
         assert got == (n, ref.tokens[0, : n + 1].tolist()), trial
+
+
+# -- step batching ------------------------------------------------------------------------------------------
+
+def test_step_batcher_batches_concurrent_calls_and_bounds_prefills_per_pass():
+    import threading
+    from dataclasses import dataclass
+
+    from deployments.batching import StepBatcher
+
+    @dataclass
+    class Row:
+        name: str
+        cost: int
+
+    passes: list[list[str]] = []
+    gate = threading.Event()
+
+    def run(rows):
+        gate.wait(5)  # the first pass blocks until every call below is queued
+        passes.append([r.name for r in rows])
+        return [r.name.upper() for r in rows]
+
+    async def scenario():
+        b = StepBatcher(run, max_batch=8, wait_ms=0, token_budget=1000)
+        first = asyncio.ensure_future(b.submit("a", Row("a", 5)))
+        await asyncio.sleep(0.05)  # pass 1 = [a] is running; the rest queue up behind it
+        calls = [b.submit("p1", Row("p1", 800)), b.submit("p2", Row("p2", 900)), b.submit("d1", Row("d1", 5)),
+                 b.submit("a", Row("a2", 5)), b.submit("d2", Row("d2", 5))]
+        tasks = [asyncio.ensure_future(c) for c in calls]
+        cancelled = asyncio.ensure_future(b.submit("x", Row("x", 5)))
+        await asyncio.sleep(0.05)
+        cancelled.cancel()
+        gate.set()
+        return await first, await asyncio.gather(*tasks)
+
+    first, results = asyncio.run(scenario())
+    assert first == "A" and results == ["P1", "P2", "D1", "A2", "D2"]
+    # pass 2: one prefill (p2 would exceed the budget) and every decode row; the cancelled call never runs.
+    assert passes == [["a"], ["p1", "d1", "a2", "d2"], ["p2"]]
