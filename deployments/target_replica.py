@@ -30,6 +30,7 @@ from deployments.workers import CACHE_MISS, spawn_workers
 logger = logging.getLogger(__name__)
 
 CACHE_SLACK = 72  # positions past max_seq_len: K+1 verify tokens and padding (as pipeline.engine)
+PREFILL_TOKEN_BUDGET = 512  # prompt tokens prefilled per target pass beyond the first prefill
 
 
 @dataclass
@@ -45,6 +46,11 @@ class VerifyRow:
     top_probs: Any = None  # [num_draft, k] float32 array
     prefix: Optional[list[int]] = None  # committed tokens [0, start) when the cache may lack them
 
+    @property
+    def cost(self) -> int:
+        """Tokens this row feeds (StepBatcher bounds prefills per pass with it)."""
+        return len(self.tokens) + (len(self.prefix) if self.prefix else 0)
+
 
 class TargetWorker:
     """Holds one target model (one tensor-parallel rank) and serves batched verify calls."""
@@ -52,19 +58,20 @@ class TargetWorker:
     def __init__(
         self, model: Optional[str], max_batch_size: int, max_seq_len: int, device: str = "cpu",
         dtype: str = "float32", torch_threads: int = 1, batch_wait_ms: float = 1.0,
-        rank: int = 0, world_size: int = 1,
+        rank: int = 0, world_size: int = 1, tp_init_method: Optional[str] = None,
     ) -> None:
         import torch
 
-        if world_size != 1:
-            raise NotImplementedError(
-                "tensor_parallel_size > 1 needs the tensor-parallel runner (its own issue); the deployment "
-                "already reserves one bundle per rank"
-            )
+        assert rank == 0, "ranks > 0 of a tensor-parallel replica are tp_group.RankFollower actors"
         torch.set_num_threads(torch_threads)
-        from pipeline.models.loader import load_model
+        if world_size > 1:  # rank 0 of a tensor-parallel group: each pass is broadcast to the other ranks
+            from deployments.tp_group import leader_runner
 
-        self.model, _ = load_model(model, device=device, dtype=dtype)
+            self.model = leader_runner(model, world_size, tp_init_method, device, dtype)
+        else:
+            from pipeline.models.loader import load_model
+
+            self.model, _ = load_model(model, device=device, dtype=dtype)
         max_seq_len = min(max_seq_len, self.model.info.max_position_embeddings or max_seq_len)
         self.max_seq_len = max_seq_len
         self.model.allocate(max_batch_size, max_seq_len + CACHE_SLACK)
@@ -73,7 +80,8 @@ class TargetWorker:
         self._slots: OrderedDict[str, int] = OrderedDict()  # request id -> slot, least recently used first
         self._fed: dict[str, int] = {}  # request id -> positions [0, fed) written by its calls
         self._free = list(range(max_batch_size - 1, -1, -1))
-        self.batcher = StepBatcher(self._run_batch, max_batch_size, batch_wait_ms, name="target")
+        self.batcher = StepBatcher(self._run_batch, max_batch_size, batch_wait_ms, name="target",
+                                   token_budget=PREFILL_TOKEN_BUDGET)
         self.compute_s = 0.0
 
     # -- calls -------------------------------------------------------------------------------------------
@@ -207,7 +215,10 @@ class TargetServer:
     async def __init__(self, config: dict[str, Any]) -> None:
         cfg = AppConfig.model_validate(config)
         t = cfg.target
-        self.workers = spawn_workers(
+        spawn = spawn_workers
+        if t.tensor_parallel_size > 1:
+            from deployments.tp_group import spawn_tensor_parallel_workers as spawn
+        self.workers = spawn(
             TargetWorker, TARGET, t.resources, t.tensor_parallel_size,
             model=t.model, max_batch_size=t.max_batch_size, max_seq_len=t.max_seq_len, device=t.device,
             dtype=t.dtype, torch_threads=t.resources.torch_threads, batch_wait_ms=t.batch_wait_ms,
