@@ -41,6 +41,10 @@ from deployments import metrics, tracing  # ops hooks: tracing is a no-op unless
 MAX_FAILOVERS = 5  # coordinator losses one request survives
 
 
+class _NotStarted(Exception):
+    """A resumed request was never stored: start it again."""
+
+
 class OpenAIIngress:
     async def __init__(self, config: dict[str, Any], coordinator: Any, redis: Any = None) -> None:
         self.cfg = AppConfig.model_validate(config)
@@ -186,6 +190,7 @@ class OpenAIIngress:
         delivered = after
         stream = start()
         failovers = 0
+        resuming = False
         try:
             while True:
                 try:
@@ -193,6 +198,8 @@ class OpenAIIngress:
                         for ev in batch:
                             if "error" in ev:
                                 e = ev["error"]
+                                if resuming and delivered == after and e.get("code") == "request_not_found":
+                                    raise _NotStarted  # the lost coordinator died before storing it
                                 raise APIError(e["message"], ev.get("status", 500), e.get("type", "server_error"),
                                                e.get("param"), e.get("code"))
                             if ev["i"] <= delivered:
@@ -211,6 +218,9 @@ class OpenAIIngress:
                                    type(err).__name__, delivered)
                     await asyncio.sleep(0.1 * failovers)
                     stream = self.coord.options(stream=True).resume.remote(rid, delivered)
+                    resuming = True
+                except _NotStarted:
+                    stream, resuming = start(), False
         finally:
             stream.cancel()  # client gone or done: stop the coordinator's loop for this request
 
