@@ -9,6 +9,10 @@ Backend, chosen per process when the first metric is touched:
 - outside Ray: `prometheus_client`, in its default registry (or one given to `use_registry`, for tests),
   under the same names without the `ray_` prefix.
 
+Cost: the record functions only add to dicts under one lock (a few microseconds per step); a daemon
+thread pushes the sums and observations to the backend every FLUSH_INTERVAL_S (`flush()` does it now).
+Gauges are set directly.
+
 Vocabulary (docs/ARCHITECTURE.md): per step a row proposes `num_draft` tokens, a prefix of `num_accepted`
 is accepted and one recovered or bonus token follows, so `emitted = num_accepted + 1`.
     acceptance rate        = accepted_tokens_total / draft_tokens_total
@@ -18,6 +22,7 @@ is accepted and one recovered or bonus token follows, so `emitted = num_accepted
 
 from __future__ import annotations
 
+import atexit
 import sys
 import threading
 import time
@@ -88,11 +93,15 @@ def _in_ray() -> bool:
 
 
 def use_registry(registry: Any) -> None:
-    """Use prometheus_client with this registry from now on (tests); forgets existing metric objects."""
+    """Use prometheus_client with this registry from now on (tests); forgets existing metric objects and
+    anything buffered."""
     global _registry
     with _lock:
         _registry = registry
         _metrics.clear()
+    with _buffer_lock:
+        _counts.clear()
+        _observations.clear()
 
 
 def reset() -> None:
@@ -171,6 +180,73 @@ def get(name: str) -> _Adapter:
     return m
 
 
+# -- buffering: the hot path only adds to dicts; a daemon thread pushes to the backend every second ------
+
+FLUSH_INTERVAL_S = 1.0  # Ray's agents export every few seconds anyway; Prometheus scrapes every 5-15 s
+_counts: dict[tuple[str, str | None], float] = {}  # (metric, tag value) -> increment since the last flush
+_observations: dict[tuple[str, str | None], list[float]] = {}
+_buffer_lock = threading.Lock()
+_flusher: threading.Thread | None = None
+
+
+def _inc(name: str, value: float, tag: str | None = None) -> None:
+    key = (name, tag)
+    with _buffer_lock:
+        _counts[key] = _counts.get(key, 0.0) + value
+    if _flusher is None:
+        _start_flusher()
+
+
+def _observe(name: str, value: float, tag: str | None = None) -> None:
+    key = (name, tag)
+    with _buffer_lock:
+        bucket = _observations.get(key)
+        if bucket is None:
+            _observations[key] = [value]
+        else:
+            bucket.append(value)
+    if _flusher is None:
+        _start_flusher()
+
+
+def _tags(name: str, tag: str | None) -> dict[str, str] | None:
+    return None if tag is None else {DEFS[name].tag_keys[0]: tag}
+
+
+def flush() -> None:
+    """Push buffered increments and observations to the backend now (tests; the thread does it every
+    FLUSH_INTERVAL_S, and once more at exit)."""
+    global _counts, _observations
+    with _buffer_lock:
+        counts, observations = _counts, _observations
+        _counts, _observations = {}, {}
+    for (name, tag), value in counts.items():
+        get(name).inc(value, tags=_tags(name, tag))
+    for (name, tag), values in observations.items():
+        metric, tags = get(name), _tags(name, tag)
+        for v in values:
+            metric.observe(v, tags=tags)
+
+
+def _start_flusher() -> None:
+    global _flusher
+    with _buffer_lock:
+        if _flusher is not None:
+            return
+
+        def loop() -> None:
+            while True:
+                time.sleep(FLUSH_INTERVAL_S)
+                try:
+                    flush()
+                except Exception:  # noqa: BLE001 - metrics must never take a replica down
+                    pass
+
+        _flusher = threading.Thread(target=loop, name="specserve-metrics", daemon=True)
+        _flusher.start()
+        atexit.register(flush)
+
+
 # -- what the Serve layer calls ---------------------------------------------------------------------------
 
 def record_step(num_draft: Sequence[int], num_accepted: Sequence[int], step_seconds: float | None = None,
@@ -187,44 +263,44 @@ def record_step(num_draft: Sequence[int], num_accepted: Sequence[int], step_seco
     max_k = max(num_draft)
     proposed = [0] * (max_k + 1)  # proposed[i]: rows with a draft token at position i
     accepted = [0] * (max_k + 1)
-    hist = get("specserve_accepted_tokens_per_step")
     for k, n in zip(num_draft, num_accepted):
         assert 0 <= n <= k, f"accepted {n} of {k} draft tokens"
         proposed[k] += 1  # difference arrays: position i < k counts
         accepted[n] += 1
-        hist.observe(n)
     total_draft, total_accepted = sum(num_draft), sum(num_accepted)
-    get("specserve_steps_total").inc(rows)
-    get("specserve_draft_tokens_total").inc(total_draft)
-    get("specserve_accepted_tokens_total").inc(total_accepted)
-    get("specserve_emitted_tokens_total").inc(total_accepted + rows)
     # Turn "rows whose count is exactly k" into "rows whose count is > i", from the top.
     proposed_gt = accepted_gt = 0
-    by_label_p: dict[str, int] = {}
-    by_label_a: dict[str, int] = {}
+    by_position: list[tuple[str, int, int]] = []
     for i in range(max_k, 0, -1):
         proposed_gt += proposed[i]
         accepted_gt += accepted[i]
-        label = str(min(i - 1, MAX_POSITION_LABEL))
-        by_label_p[label] = by_label_p.get(label, 0) + proposed_gt
-        by_label_a[label] = by_label_a.get(label, 0) + accepted_gt
-    position_proposed = get("specserve_draft_position_proposed_total")
-    position_accepted = get("specserve_draft_position_accepted_total")
-    for label, count in by_label_p.items():
-        position_proposed.inc(count, tags={"position": label})
-        position_accepted.inc(by_label_a[label], tags={"position": label})
-    if step_seconds is not None:
-        get("specserve_step_latency_seconds").observe(step_seconds)
+        by_position.append((str(min(i - 1, MAX_POSITION_LABEL)), proposed_gt, accepted_gt))
+    with _buffer_lock:  # one lock, plain dict updates: a few microseconds per step
+        c = _counts
+        for name, value in (("specserve_steps_total", rows), ("specserve_draft_tokens_total", total_draft),
+                            ("specserve_accepted_tokens_total", total_accepted),
+                            ("specserve_emitted_tokens_total", total_accepted + rows)):
+            c[(name, None)] = c.get((name, None), 0.0) + value
+        for label, p, a in by_position:
+            kp, ka = ("specserve_draft_position_proposed_total", label), ("specserve_draft_position_accepted_total", label)
+            c[kp] = c.get(kp, 0.0) + p
+            c[ka] = c.get(ka, 0.0) + a
+        o = _observations
+        o.setdefault(("specserve_accepted_tokens_per_step", None), []).extend(num_accepted)
+        if step_seconds is not None:
+            o.setdefault(("specserve_step_latency_seconds", None), []).append(step_seconds)
+    if _flusher is None:
+        _start_flusher()
 
 
 def record_draft_latency(seconds: float, scope: str = "call") -> None:
     """scope: 'call' (round trip seen by the coordinator) or 'compute' (inside the drafter replica)."""
-    get("specserve_draft_latency_seconds").observe(seconds, tags={"scope": scope})
+    _observe("specserve_draft_latency_seconds", seconds, scope)
 
 
 def record_verify_latency(seconds: float, scope: str = "call") -> None:
     """scope: 'call' (round trip seen by the coordinator) or 'compute' (inside the target replica)."""
-    get("specserve_verify_latency_seconds").observe(seconds, tags={"scope": scope})
+    _observe("specserve_verify_latency_seconds", seconds, scope)
 
 
 def set_queue_depth(waiting: int, stage: str) -> None:
@@ -266,12 +342,12 @@ class RequestTimer:
         now = self._clock()
         if self._first is None:
             self._first = now
-            get("specserve_ttft_seconds").observe(now - self._start)
+            _observe("specserve_ttft_seconds", now - self._start)
         else:
-            get("specserve_inter_token_latency_seconds").observe(now - self._last)
+            _observe("specserve_inter_token_latency_seconds", now - self._last)
         self._last = now
         self._tokens += count
-        get("specserve_generated_tokens_total").inc(count)
+        _inc("specserve_generated_tokens_total", count)
 
     def finish(self, status: str = "ok") -> None:
         """Record the request's outcome once (later calls are ignored)."""
@@ -279,13 +355,13 @@ class RequestTimer:
             return
         self._done = True
         now = self._clock()
-        get("specserve_requests_total").inc(1, tags={"status": status})
-        get("specserve_request_latency_seconds").observe(now - self._start)
+        _inc("specserve_requests_total", 1, status)
+        _observe("specserve_request_latency_seconds", now - self._start)
         if self._prompt_tokens:
-            get("specserve_prompt_tokens_total").inc(self._prompt_tokens)
+            _inc("specserve_prompt_tokens_total", self._prompt_tokens)
         if self._tokens > 1:
             per_token = (self._last - self._first) / (self._tokens - 1)
-            get("specserve_time_per_output_token_seconds").observe(per_token)
+            _observe("specserve_time_per_output_token_seconds", per_token)
         if self._span is not None:
             from deployments import tracing
 

@@ -16,6 +16,7 @@ def scrape():
 
     def read() -> dict[tuple, float]:
         """{(sample name, sorted label items): value} from the exposition text, as Prometheus reads it."""
+        metrics.flush()
         text = generate_latest(registry).decode()
         return {(s.name, tuple(sorted(s.labels.items()))): s.value
                 for fam in text_string_to_metric_families(text) for s in fam.samples}
@@ -116,3 +117,18 @@ def test_request_timer_ends_its_span_with_the_outcome(scrape):
         assert span.attributes["specserve.ttft_ms"] >= 0
     finally:
         tracing.disable()
+
+
+def test_buffered_records_reach_the_registry_without_an_explicit_flush():
+    import time
+
+    registry = CollectorRegistry()
+    metrics.use_registry(registry)
+    try:
+        metrics.record_step([3], [1])
+        deadline = time.monotonic() + 5 * metrics.FLUSH_INTERVAL_S
+        while registry.get_sample_value("specserve_draft_tokens_total") != 3:
+            assert time.monotonic() < deadline, "the flusher thread did not push the buffered counts"
+            time.sleep(0.05)
+    finally:
+        metrics.use_registry(None)
