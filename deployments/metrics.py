@@ -32,8 +32,6 @@ from typing import Any, Callable, Sequence
 # Seconds. From 0.5 ms (one compiled target pass on an H200 is ~6 ms, a Ray call ~1 ms) up to 60 s (TTFT).
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
                    60.0)
-# Counts of tokens per step: boundaries between integers (Ray wants positive boundaries).
-COUNT_BUCKETS = tuple(i + 0.5 for i in range(17))
 MAX_POSITION_LABEL = 32  # draft positions beyond this share one label, keeping label cardinality bounded
 
 
@@ -58,8 +56,9 @@ DEFS: dict[str, _Def] = {
         "counter", "Draft tokens proposed at each draft position (0-based).", ("position",)),
     "specserve_draft_position_accepted_total": _Def(
         "counter", "Draft tokens accepted at each draft position (0-based).", ("position",)),
-    "specserve_accepted_tokens_per_step": _Def(
-        "histogram", "Accepted draft tokens per step and request row.", (), COUNT_BUCKETS),
+    "specserve_steps_by_accepted_total": _Def(
+        "counter", "Steps (per request row) by how many draft tokens were accepted: the distribution of "
+        "accepted tokens per step, as counters (cheaper than a histogram on the hot path).", ("accepted",)),
     "specserve_step_latency_seconds": _Def(
         "histogram", "One speculation step of a batch (draft + verify + accept), at the coordinator.", (),
         LATENCY_BUCKETS),
@@ -285,10 +284,12 @@ def record_step(num_draft: Sequence[int], num_accepted: Sequence[int], step_seco
             kp, ka = ("specserve_draft_position_proposed_total", label), ("specserve_draft_position_accepted_total", label)
             c[kp] = c.get(kp, 0.0) + p
             c[ka] = c.get(ka, 0.0) + a
-        o = _observations
-        o.setdefault(("specserve_accepted_tokens_per_step", None), []).extend(num_accepted)
+        for n, count in enumerate(accepted):
+            if count:
+                key = ("specserve_steps_by_accepted_total", str(n))
+                c[key] = c.get(key, 0.0) + count
         if step_seconds is not None:
-            o.setdefault(("specserve_step_latency_seconds", None), []).append(step_seconds)
+            _observations.setdefault(("specserve_step_latency_seconds", None), []).append(step_seconds)
     if _flusher is None:
         _start_flusher()
 

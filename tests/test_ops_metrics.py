@@ -45,9 +45,9 @@ def test_record_step_counts_acceptance_overall_and_by_position(scrape):
     accepted = {i: v[("specserve_draft_position_accepted_total", (("position", str(i)),))] for i in range(4)}
     assert proposed == {0: 4, 1: 4, 2: 3, 3: 3}
     assert accepted == {0: 3, 1: 2, 2: 1, 3: 1}
-    assert v[("specserve_accepted_tokens_per_step_count", ())] == 4
-    assert v[("specserve_accepted_tokens_per_step_sum", ())] == 7
-    assert v[("specserve_accepted_tokens_per_step_bucket", (("le", "0.5"),))] == 1  # the 0-accepted row
+    by_accepted = {labels[0][1]: value for (name, labels), value in v.items()
+                   if name == "specserve_steps_by_accepted_total"}
+    assert by_accepted == {"0": 1, "1": 1, "2": 1, "4": 1}
     assert v[("specserve_step_latency_seconds_count", ())] == 1
     assert v[("specserve_step_latency_seconds_sum", ())] == pytest.approx(0.012)
 
