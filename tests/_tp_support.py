@@ -73,6 +73,13 @@ def script(runner: Any, vocab: int, greedy_tokens: int = 12) -> dict[str, torch.
     return out
 
 
+LONG = 1100  # a prefill past the ids that ride inline in the control message (1024)
+
+
+def long_prompt() -> torch.Tensor:
+    return torch.randint(0, 128, (1, LONG), generator=torch.Generator().manual_seed(11))
+
+
 # -- rank processes ---------------------------------------------------------------------------------------
 
 def spawn(target: Callable, world_size: int, *args: Any) -> list[mp.Process]:
@@ -138,6 +145,8 @@ def compare_ranks(rank: int, world_size: int, init: str, models: dict[str, str],
             if key == "driven":
                 time.sleep(3.0)  # idle past the 2 s control timeout: heartbeats keep the follower waiting
                 results["after_idle"] = leader.forward(torch.tensor([[1, 2]]), torch.tensor([0]), torch.tensor([3]))
+                leader.allocate(2, LONG + 8)  # re-allocation reaches the followers too
+                results["long_prefill"] = leader.forward(long_prompt(), torch.tensor([0]), torch.tensor([1]), LONG - 4)
             leader.close()
         else:
             follow(inner, tp)

@@ -12,7 +12,9 @@ import signal
 import pytest
 import torch
 
-from _tp_support import compare_ranks, leader_lost, make_odd_llama, script, spawn, wait_file, SLOTS, MAX_LEN
+from _tp_support import (
+    LONG, MAX_LEN, SLOTS, compare_ranks, leader_lost, long_prompt, make_odd_llama, script, spawn, wait_file,
+)
 from pipeline.models.llama import LlamaArgs
 from pipeline.models.tensor_parallel import Slice, even_split, head_partition, make_plan, num_parameters, shard_slice
 
@@ -157,6 +159,12 @@ def test_driven_mode_and_the_static_graph_path_equal_tp1(run2, references):
     ref_runner = references["llama"][1]
     after = ref_runner.forward(torch.tensor([[1, 2]]), torch.tensor([0]), torch.tensor([3]))
     assert (run2["results"]["after_idle"] - after).abs().max().item() <= RTOL * max(after.abs().max().item(), 1.0)
+    ref_runner.allocate(2, LONG + 8)  # a prefill longer than the control message's inline inputs
+    long = ref_runner.forward(long_prompt(), torch.tensor([0]), torch.tensor([1]), LONG - 4)
+    got = run2["results"]["long_prefill"]
+    assert got.shape == long.shape == (1, 4, 128)
+    assert (got - long).abs().max().item() <= RTOL * max(long.abs().max().item(), 1.0)
+    ref_runner.allocate(SLOTS, MAX_LEN)
 
 
 def test_a_lost_follower_fails_the_next_call_fast_and_breaks_the_group(run2):

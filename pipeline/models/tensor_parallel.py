@@ -411,6 +411,16 @@ def sharded_runner(model: Transformer, info: ModelInfo) -> LlamaCausalLM:
 # Driving the followers: rank 0's calls are replayed on every rank
 
 _NOOP, _FORWARD, _ALLOCATE, _STOP = 0, 1, 2, 3
+_HEADER = 6  # [op, B, T, logits_from, a, b]
+_INLINE = 1024  # inputs up to this many ids ride in the header's message: one broadcast per decode/verify step
+
+
+def _message(header: list[int], payload: Optional[torch.Tensor] = None) -> torch.Tensor:
+    msg = torch.zeros(_HEADER + _INLINE, dtype=torch.int64)
+    msg[:_HEADER] = torch.tensor(header, dtype=torch.int64)
+    if payload is not None and payload.numel() <= _INLINE:
+        msg[_HEADER:_HEADER + payload.numel()] = payload
+    return msg
 
 
 class TensorParallelError(RuntimeError):
@@ -420,8 +430,9 @@ class TensorParallelError(RuntimeError):
 class TensorParallelRunner:
     """`CausalLM` on rank 0 over a sharded runner whose copies on the other ranks run `follow()`.
 
-    Construction waits (barrier) for the followers to enter `follow()`. Every `allocate`/`forward` is first broadcast over the control group (a header, then the int64 inputs),
-    then run on every rank. Inputs are checked here first, so a bad call fails on rank 0 alone and never
+    Construction waits (barrier) for the followers to enter `follow()`. Every `allocate`/`forward` is first
+    broadcast over the control group (one message: a header and, up to `_INLINE` ids, the int64 inputs;
+    longer inputs, i.e. prefills, follow in a second one), then run on every rank. Inputs are checked here first, so a bad call fails on rank 0 alone and never
     desynchronises the group. `heartbeat_s`: idle followers get a no-op this often (keep it well below the
     control group's timeout). `on_failure(err)` runs once when the group breaks (serving: exit the process).
     """
@@ -486,7 +497,7 @@ class TensorParallelRunner:
         with self._lock:
             if not self._closed and self.broken is None:
                 self._closed = True
-                self._broadcast(torch.tensor([_STOP, 0, 0, 0, 0, 0]))
+                self._broadcast(_message([_STOP, 0, 0, 0, 0, 0]))
 
     def _run(self, header: list[int], payload: Optional[torch.Tensor], call: Callable[[], Any]) -> Any:
         with self._lock:
@@ -494,8 +505,8 @@ class TensorParallelRunner:
                 raise TensorParallelError(f"tensor-parallel group is {'closed' if self._closed else 'broken'}") \
                     from self.broken
             try:
-                self._broadcast(torch.tensor(header, dtype=torch.int64))
-                if payload is not None:
+                self._broadcast(_message(header, payload))
+                if payload is not None and payload.numel() > _INLINE:
                     self._broadcast(payload)
                 return call()
             except Exception as err:  # noqa: BLE001 - any failure mid-call leaves the ranks out of step
@@ -521,7 +532,7 @@ class TensorParallelRunner:
                 if time.monotonic() - self._last_sent < self.heartbeat_s:
                     continue
                 try:
-                    self._broadcast(torch.tensor([_NOOP, 0, 0, 0, 0, 0]))
+                    self._broadcast(_message([_NOOP, 0, 0, 0, 0, 0]))
                 except Exception as err:  # noqa: BLE001
                     self._fail(err)
                     return
@@ -532,20 +543,24 @@ def follow(runner: Any, tp: TPContext) -> None:
     `TensorParallelError` when rank 0 is lost (closed socket, or no heartbeat within the control timeout)
     or a collective fails."""
     assert tp.rank != 0, "rank 0 drives (TensorParallelRunner); follow() is for the other ranks"
-    header = torch.zeros(6, dtype=torch.int64)
+    msg = torch.zeros(_HEADER + _INLINE, dtype=torch.int64)
     try:
         dist.barrier(group=tp.group)  # rank 0 has built its TensorParallelRunner (loading skew is not an outage)
         with torch.inference_mode():
             while True:
-                dist.broadcast(header, src=0, group=tp.control)
-                op, B, T, logits_from, a, b = header.tolist()
+                dist.broadcast(msg, src=0, group=tp.control)
+                op, B, T, logits_from, a, b = msg[:_HEADER].tolist()
                 if op == _STOP:
                     return
                 if op == _ALLOCATE:
                     runner.allocate(a, b)
                 elif op == _FORWARD:
-                    payload = torch.empty(B * T + 2 * B, dtype=torch.int64)
-                    dist.broadcast(payload, src=0, group=tp.control)
+                    n = B * T + 2 * B
+                    if n <= _INLINE:
+                        payload = msg[_HEADER:_HEADER + n].clone()
+                    else:
+                        payload = torch.empty(n, dtype=torch.int64)
+                        dist.broadcast(payload, src=0, group=tp.control)
                     tokens = payload[: B * T].view(B, T)
                     runner.forward(tokens, payload[B * T: B * T + B], payload[B * T + B:], logits_from)
     except Exception as err:  # noqa: BLE001
