@@ -35,14 +35,19 @@ STOP_SCRIPT = r'''
 import os, sys, time, psutil
 mark = sys.argv[1]
 def ours():
-    out = []
+    # Marked processes and their descendants: the raylet starts its DashboardAgent with a fresh
+    # environment, so the agent carries no mark (left alone, it outlives the raylet and keeps its ports).
+    out = {}
     for p in psutil.process_iter():
         try:
             if p.pid != os.getpid() and p.environ().get("%(env)s") == mark:
-                out.append(p)
+                out[p.pid] = p
+                for child in p.children(recursive=True):
+                    out[child.pid] = child
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             pass
-    return out
+    out.pop(os.getpid(), None)
+    return list(out.values())
 procs = ours()
 for p in procs:
     try: p.terminate()
@@ -84,16 +89,27 @@ def listeners(port: int) -> list[str]:
 
 
 def cluster_processes(mark: str) -> list[int]:
+    """Live processes of the cluster: those with its mark in their environment, and their descendants."""
     import psutil
 
-    pids = []
+    pids: set[int] = set()
     for p in psutil.process_iter():
         try:
-            if p.environ().get(MARK_ENV) == mark and p.status() != psutil.STATUS_ZOMBIE:
-                pids.append(p.pid)
+            if p.environ().get(MARK_ENV) == mark:
+                pids.add(p.pid)
+                pids.update(c.pid for c in p.children(recursive=True))
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             pass
-    return pids
+    return sorted(pid for pid in pids if alive(pid))
+
+
+def alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def missing_tools() -> list[str]:
@@ -118,6 +134,7 @@ class LocalCluster:
                                    if (HOME / p).exists()}
         self.config_path = tmp / "cluster.yaml"
         self.log: list[str] = []
+        self.seen: set[int] = set()  # every cluster process noticed (orphans lose the marked parent)
 
     # -- machine setup ------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -180,7 +197,7 @@ class LocalCluster:
         self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
 
     def teardown(self) -> None:
-        for pid in cluster_processes(self.id):  # whatever `ray down` left (the test asserts there is none)
+        for pid in set(cluster_processes(self.id)) | {p for p in self.seen if alive(p)}:  # what ray down left
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

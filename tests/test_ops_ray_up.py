@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from ops_cluster_harness import (
-    ROOT, LocalCluster, cluster_processes, free_port, listeners, missing_tools, port_open,
+    ROOT, LocalCluster, alive, cluster_processes, free_port, listeners, missing_tools, port_open,
 )
 
 pytestmark = pytest.mark.slow
@@ -312,9 +312,14 @@ def test_load_scales_up_metrics_agree_then_scales_down(deployed):
 
 def test_ray_down_leaves_nothing_running(deployed):
     c = deployed.c
+    before = cluster_processes(c.id)
+    c.seen.update(before)
+    assert len(before) >= 8, before  # gcs, raylet, agents, dashboard, monitor, Serve replicas, workers
     deployed.timings["ray down"] = c.down()
     time.sleep(1)
     assert cluster_processes(c.id) == [], "ray down left processes of the cluster running"
+    left = [pid for pid in before if alive(pid)]
+    assert not left, f"ray down left {len(left)} of the cluster's {len(before)} processes: {left}"
     for name, port in (("http", deployed.http_port), ("dashboard", c.dashboard_port), ("gcs", c.gcs_port),
                        ("metrics", c.metrics_port)):
         assert not port_open(port), f"{name} port {port} still open after ray down: {listeners(port)}"
