@@ -236,14 +236,18 @@ def _start_flusher() -> None:
         def loop() -> None:
             while True:
                 time.sleep(FLUSH_INTERVAL_S)
-                try:
-                    flush()
-                except Exception:  # noqa: BLE001 - metrics must never take a replica down
-                    pass
+                _flush_quietly()
 
         _flusher = threading.Thread(target=loop, name="specserve-metrics", daemon=True)
         _flusher.start()
-        atexit.register(flush)
+        atexit.register(_flush_quietly)
+
+
+def _flush_quietly() -> None:
+    try:
+        flush()
+    except Exception:  # noqa: BLE001 - metrics must never take a replica down (nor spoil its exit)
+        pass
 
 
 # -- what the Serve layer calls ---------------------------------------------------------------------------
