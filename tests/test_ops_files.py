@@ -1,0 +1,57 @@
+"""The observability files in ops/ fit together (no Docker here to run them; the ray-up test scrapes a
+real cluster for every metric the dashboard uses)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import yaml
+
+from deployments import metrics
+
+OPS = Path(__file__).resolve().parent.parent / "ops"
+
+
+def test_compose_services_ports_and_mounted_files():
+    compose = yaml.safe_load((OPS / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert set(services) == {"jaeger", "redis", "prometheus", "grafana"}
+    assert {"4317:4317", "4318:4318", "16686:16686"} <= set(services["jaeger"]["ports"])  # OTLP gRPC/HTTP, UI
+    assert services["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    for name in ("prometheus", "grafana"):
+        for volume in services[name]["volumes"]:
+            source = volume.split(":")[0]
+            if source.startswith("./"):
+                assert (OPS / source).exists(), f"{name} mounts {source}, which is not in ops/"
+
+
+def test_prometheus_reads_rays_service_discovery_file():
+    config = yaml.safe_load((OPS / "prometheus.yml").read_text())
+    (ray_job,) = [j for j in config["scrape_configs"] if j["job_name"] == "ray"]
+    assert ray_job["file_sd_configs"][0]["files"] == ["/tmp/ray/prom_metrics_service_discovery.json"]
+
+
+def test_dashboard_queries_name_metrics_that_exist():
+    datasource = yaml.safe_load((OPS / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    uid = datasource["datasources"][0]["uid"]
+    dash = json.loads((OPS / "grafana/specserve.json").read_text())
+    ours = set()
+    for name, d in metrics.DEFS.items():
+        suffixes = ("_bucket", "_sum", "_count") if d.kind == "histogram" else ("",)
+        ours |= {f"ray_{name}{s}" for s in suffixes}
+    panels = [p for p in dash["panels"] if p["type"] != "row"]
+    assert len(panels) >= 12
+    used = set()
+    for panel in panels:
+        assert panel["datasource"]["uid"] == uid, panel["title"]
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            for name in re.findall(r"\bray_[a-z_]+", target["expr"]):
+                used.add(name)
+                assert name in ours or name.startswith("ray_serve_"), f"{panel['title']}: unknown {name}"
+    # Every specserve metric family is on the dashboard (ttft, itl, acceptance, ...).
+    families = {re.sub(r"_(bucket|sum|count)$", "", n) for n in used}
+    assert {f"ray_{n}" for n in metrics.DEFS} <= families | {"ray_specserve_prompt_tokens_total",
+                                                              "ray_specserve_request_latency_seconds"}
