@@ -27,6 +27,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
+from deployments.acceptance import accept_row as _accept
 from deployments.config import DRAFTER, TARGET, AppConfig
 from deployments.drafter_replica import ProposeRow
 from deployments.protocol import APIError
@@ -510,39 +511,3 @@ async def _call(method, row) -> Any:
     """One direct actor call, awaited (an ObjectRef is awaitable on the event loop)."""
     with tracing.span(f"call {getattr(method, '_method_name', 'actor')}", request_id=row.request_id):
         return await method.remote(row, _trace())
-
-
-def _accept(verdict: dict[str, Any], draft_tokens: list[int], seed: int, step: int) -> tuple[int, list[int]]:
-    """`pipeline.rejection.accept` for one row, in plain Python: (accepted draft tokens, emitted tokens).
-
-    The coordinator runs this once per step and request; torch's per-op overhead made the tensor version
-    cost ~0.8 ms here. Uniforms come from `_uniforms`, bit-identical to `pipeline.rng.uniform` (tested), and
-    are only computed when some acceptance probability is strictly between 0 and 1 (never for greedy).
-    """
-    probs, targets = verdict["accept_probs"], verdict["target_tokens"]
-    K = len(draft_tokens)
-    assert len(probs) == K and len(targets) == K + 1, f"verdict for K={len(probs)}, draft has {K}"
-    u = _uniforms(seed, step, _STREAM_ACCEPT, K) if any(0.0 < q < 1.0 for q in probs) else [0.5] * K
-    n = 0
-    while n < K and u[n] < probs[n]:
-        n += 1
-    return n, [*draft_tokens[:n], int(targets[n])]
-
-
-_MASK32 = 0xFFFFFFFF
-_STREAM_ACCEPT = 2  # pipeline.rng.Stream.ACCEPT
-
-
-def _pcg(x: int) -> int:
-    state = (x * 747796405 + 2891336453) & _MASK32
-    word = (((state >> ((state >> 28) + 4)) ^ state) * 277803737) & _MASK32
-    return ((word >> 22) ^ word) & _MASK32
-
-
-def _uniforms(seed: int, step: int, stream: int, num: int) -> list[float]:
-    """pipeline.rng.uniform for one row, in plain Python (same PCG hash on 32-bit words)."""
-    h = _pcg(seed & _MASK32)
-    h = _pcg(h ^ ((seed >> 32) & _MASK32))
-    h = _pcg(h ^ (step & _MASK32))
-    key = _pcg(h ^ stream)
-    return [(_pcg(_pcg(key ^ i)) + 0.5) / 4294967296.0 for i in range(num)]

@@ -294,7 +294,7 @@ def test_build_app_fails_clearly_when_redis_is_unreachable():
 def test_coordinator_uniforms_are_bit_identical_to_pipeline_rng():
     import torch
 
-    from deployments.coordinator import _uniforms
+    from deployments.acceptance import uniforms as _uniforms
     from pipeline.rng import Stream, uniform
 
     seeds = [0, 1, 2**31 - 1, 2**32 + 5, 2**62 + 12345, 987654321987654321]
@@ -310,7 +310,7 @@ def test_coordinator_accept_matches_pipeline_accept():
 
     import torch
 
-    from deployments.coordinator import _accept
+    from deployments.acceptance import accept_row as _accept
     from pipeline.rejection import AcceptOutput, DraftBlock, VerifyOutput, accept
 
     rnd = random.Random(0)
