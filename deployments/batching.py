@@ -25,6 +25,7 @@ from deployments import metrics
 
 _ACTIVE_WINDOW_S = 1.0  # a request that called within this window is expected to call again
 SMALL_ROW = 128  # rows feeding at most this many tokens (decode steps: K + 1) always join a pass
+AGAIN = "again"  # a row's result meaning "not done: put me in the next pass too" (chunked prefill)
 
 
 class StepBatcher:
@@ -133,6 +134,10 @@ class StepBatcher:
                 continue
             self.batches += 1
             self.rows += len(rows)
-            for (_, _, fut), result in zip(batch, results):
-                if not fut.done():
-                    fut.set_result(result)
+            again = []
+            for item, result in zip(batch, results):
+                if result == AGAIN:
+                    again.append(item)
+                elif not item[2].done():
+                    item[2].set_result(result)
+            self._queue[:0] = again  # first in line for the next pass

@@ -10,6 +10,10 @@ request up to at least `start` before (rejected tokens beyond are simply overwri
 Otherwise the call must carry `prefix` (the committed tokens [0, start)), which the worker prefills first;
 without it the answer is CACHE_MISS and the coordinator resends with the prefix (replica restarted,
 request moved after a failure, or slot evicted).
+
+Prefill is chunked: a prefix is fed PREFILL_CHUNK tokens per target pass (the row goes back into the queue
+until done, then verifies in the same pass as its last chunk), so a long prompt does not stall the decode
+steps of the requests already running on the replica.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any, Optional, Sequence
 
 from deployments import metrics, tracing
 from deployments.autoscaling import ONGOING_REQUESTS
-from deployments.batching import StepBatcher
+from deployments.batching import AGAIN, StepBatcher
 from deployments.config import TARGET, AppConfig
 from deployments.workers import CACHE_MISS, spawn_workers
 
@@ -31,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 CACHE_SLACK = 72  # positions past max_seq_len: K+1 verify tokens and padding (as pipeline.engine)
 PREFILL_TOKEN_BUDGET = 512  # prompt tokens prefilled per target pass beyond the first prefill
+PREFILL_CHUNK = 256  # prompt tokens one request prefills per target pass
 
 
 @dataclass
@@ -49,7 +54,7 @@ class VerifyRow:
     @property
     def cost(self) -> int:
         """Tokens this row feeds (StepBatcher bounds prefills per pass with it)."""
-        return len(self.tokens) + (len(self.prefix) if self.prefix else 0)
+        return len(self.tokens) + (min(len(self.prefix), PREFILL_CHUNK) if self.prefix else 0)
 
 
 class TargetWorker:
@@ -79,6 +84,7 @@ class TargetWorker:
         self.num_slots = max_batch_size
         self._slots: OrderedDict[str, int] = OrderedDict()  # request id -> slot, least recently used first
         self._fed: dict[str, int] = {}  # request id -> positions [0, fed) written by its calls
+        self._prefilling: dict[str, int] = {}  # request id -> prompt tokens prefilled so far (chunked)
         self._free = list(range(max_batch_size - 1, -1, -1))
         self.batcher = StepBatcher(self._run_batch, max_batch_size, batch_wait_ms, name="target",
                                    token_budget=PREFILL_TOKEN_BUDGET)
@@ -106,6 +112,7 @@ class TargetWorker:
     async def release(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             self.batcher.forget(rid)
+            self._prefilling.pop(rid, None)
             slot = self._slots.pop(rid, None)
             self._fed.pop(rid, None)
             if slot is not None:
@@ -120,6 +127,7 @@ class TargetWorker:
             victim = next(r for r in self._slots if r not in pinned)
             self._free.append(self._slots.pop(victim))
             self._fed.pop(victim, None)
+            self._prefilling.pop(victim, None)  # a half-done prefill restarts from 0 in its new slot
             logger.info("evicted %s from its KV-cache slot", victim)
         self._slots[rid] = self._free.pop()
         return self._slots[rid]
@@ -139,10 +147,16 @@ class TargetWorker:
                 if r.prefix is not None:
                     assert len(r.prefix) == r.start, f"prefix has {len(r.prefix)} tokens, start is {r.start}"
                     slot = self._slot_for(r.request_id, pinned)
-                    if r.start > 0:  # prefill: no logits needed but the last (cheapest legal choice)
-                        tokens = torch.tensor([r.prefix], dtype=torch.int64, device=self.device)
-                        self.model.forward(tokens, torch.zeros(1, dtype=torch.int64, device=self.device),
-                                           torch.tensor([slot], device=self.device), r.start - 1)
+                    done = self._prefilling.pop(r.request_id, 0)
+                    if r.start > done:  # chunked prefill: at most PREFILL_CHUNK prompt tokens per pass
+                        end = min(r.start, done + PREFILL_CHUNK)
+                        tokens = torch.tensor([r.prefix[done:end]], dtype=torch.int64, device=self.device)
+                        self.model.forward(tokens, torch.full((1,), done, dtype=torch.int64, device=self.device),
+                                           torch.tensor([slot], device=self.device), end - done - 1)
+                        if end < r.start:  # the rest in later passes; running requests step in between
+                            self._prefilling[r.request_id] = end
+                            results[b] = AGAIN
+                            continue
                     self._fed[r.request_id] = r.start
                 elif self._fed.get(r.request_id, -1) < r.start:
                     results[b] = CACHE_MISS
