@@ -217,6 +217,108 @@ def bench_hf_compiled(model, shape: str, B: int, Ts: list[int], context: int, de
     return rows
 
 
+def bench_hf_generate_static(model, shape: str, B: int, context: int, n1: int = 16, n2: int = 80) -> list[dict]:
+    """HF's own compiled decoding: generate() with a static cache, which compiles the decoding forward
+    (reduce-overhead); the per-step latency is the slope between two generation lengths."""
+    V = SHAPES[shape].vocab_size
+    prompt = torch.randint(0, V, (B, context), device="cuda")
+    kw = dict(do_sample=False, cache_implementation="static", pad_token_id=0)
+    gen = lambda n: model.generate(prompt, max_new_tokens=n, min_new_tokens=n, **kw)  # noqa: E731
+    t_first = time.perf_counter()
+    with torch.inference_mode():
+        for n in (n1, n2, n1, n2):
+            gen(n)
+        torch.cuda.synchronize()
+        first_s = time.perf_counter() - t_first
+        seconds = {}
+        for n in (n1, n2):
+            runs = []
+            for _ in range(3):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                gen(n)
+                torch.cuda.synchronize()
+                runs.append(time.perf_counter() - t0)
+            seconds[n] = statistics.median(runs)
+    ms = (seconds[n2] - seconds[n1]) / (n2 - n1) * 1e3
+    log(f"hf-compiled (generate, static cache) {shape} B={B} T=1: {ms:.2f} ms/step (compile+warm-up {first_s:.0f} s)")
+    return [{"impl": "hf-compiled", "how": "generate(cache_implementation='static')", "model": shape, "B": B, "T": 1,
+             "ms": ms, "compile_s": first_s}]
+
+
+def run_hf_compiled_part(args, result: dict, save: Callable[[], None]) -> None:
+    """One HF compiled measurement in this process (a failed compiled kernel can poison the CUDA context)."""
+    model = hf_model(args.hf_shape)
+    rows = result.setdefault("rows", [])
+    if args.hf_how == "generate":
+        rows += bench_hf_generate_static(model, args.hf_shape, 1, args.context)
+    else:
+        rows += bench_hf_compiled(model, args.hf_shape, 1, [args.k + 1], args.context, deadline_s=1e9)
+    save()
+
+
+def hf_compiled_subprocess(args, shape: str, how: str, timeout_s: float) -> tuple[list[dict], str | None]:
+    import subprocess
+
+    out = Path("/tmp") / f"hfc_{shape}_{how}"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--part", "hf-compiled", "--hf-shape", shape, "--hf-how", how,
+           "--context", str(args.context), "-k", str(args.k), "--out", str(out)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout_s, 1))
+    except subprocess.TimeoutExpired:
+        return [], f"hf-compiled {shape} {how}: timed out after {timeout_s:.0f} s"
+    path = out / "gpu_bench_hf-compiled.json"
+    rows = json.loads(path.read_text()).get("rows", []) if path.exists() else []
+    for line in proc.stdout.splitlines():
+        if "hf-compiled" in line:
+            log(line.split("] ", 1)[-1])
+    err = None if proc.returncode == 0 and rows else f"hf-compiled {shape} {how}: rc {proc.returncode}: " + \
+        "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])
+    return rows, err
+
+
+def profile_breakdown(shape: str, cases: list[tuple[int, int]], context: int) -> list[dict]:
+    """Per-kernel-class GPU time of one captured step (torch.profiler over graph replays)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = torch.device("cuda")
+    runner = random_llama(shape, dev, torch.bfloat16, seed=0)
+    graph = GraphCausalLM(runner)
+    graph.allocate(max(b for b, _ in cases), context + 256)
+    out = []
+    for B, T in cases:
+        tokens = torch.randint(0, SHAPES[shape].vocab_size, (B, T), device=dev)
+        positions, slots = torch.full((B,), context, dtype=torch.int64), torch.arange(B)
+        graph.forward(tokens, positions, slots)
+        g = graph._graphs[plan_shape(B, T, context, graph.max_len, graph.config)].graph
+        torch.cuda.synchronize()
+        reps = 5
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                g.replay()
+            torch.cuda.synchronize()
+        classes: dict[str, list[float]] = {}
+        for e in prof.key_averages():
+            t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+            if t <= 0:
+                continue
+            n = e.key.lower()
+            cls = ("gemm" if any(w in n for w in ("gemm", "gemv", "cutlass", "nvjet", "sm90_xmma", "splitk")) else
+                   "attention" if any(w in n for w in ("fmha", "attention", "flash")) else
+                   "triton (compiled)" if "triton" in n else
+                   "index/gather" if "index" in n else "other")
+            c = classes.setdefault(cls, [0.0, 0])
+            c[0] += t / 1e3 / reps
+            c[1] += e.count / reps
+        row = {"model": shape, "B": B, "T": T, "classes": {k: {"ms": v[0], "kernels": v[1]} for k, v in classes.items()}}
+        out.append(row)
+        log(f"profile {shape} B={B} T={T}: " + ", ".join(f"{k} {v[0]:.2f} ms/{v[1]:.0f} kernels" for k, v in
+                                                         sorted(classes.items(), key=lambda kv: -kv[1][0])))
+    del graph, runner
+    free()
+    return out
+
+
 def run_steps(args, result: dict, save: Callable[[], None]) -> None:
     result["copy"] = bw = copy_bandwidth()
     log(f"copy bandwidth {bw['GBps']:.0f} GB/s")
@@ -232,20 +334,35 @@ def run_steps(args, result: dict, save: Callable[[], None]) -> None:
             result.setdefault("errors", []).append(f"ours {shape}: {traceback.format_exc()}")
             log(traceback.format_exc())
         save()
+    try:
+        result["profile"] = profile_breakdown("llama-8b", [(1, 1), (16, 1), (32, 1)], args.context)
+        result["profile"] += profile_breakdown("llama-1b", [(1, 1)], args.context)
+    except Exception:  # noqa: BLE001
+        result.setdefault("errors", []).append(f"profile: {traceback.format_exc()}")
+        log(traceback.format_exc())
+    save()
     hf_batches = [int(b) for b in args.hf_batches.split(",")]
     for shape in ("llama-8b", "llama-1b"):
         try:
             model = hf_model(shape)
             rows += bench_hf_eager(model, shape, hf_batches, Ts, args.context)
-            save()
-            if shape == "llama-8b" or elapsed() < args.budget_s * 0.8:
-                rows += bench_hf_compiled(model, shape, 1, Ts, args.context, deadline_s=args.budget_s)
             del model
             free()
         except Exception:  # noqa: BLE001
             result.setdefault("errors", []).append(f"hf {shape}: {traceback.format_exc()}")
             log(traceback.format_exc())
             free()
+        save()
+    for shape, how in (("llama-8b", "generate"), ("llama-8b", "direct"), ("llama-1b", "generate")):
+        left = args.budget_s - elapsed()
+        if left < 40:
+            result.setdefault("errors", []).append(f"hf-compiled {shape} {how}: skipped (time budget)")
+            continue
+        got, err = hf_compiled_subprocess(args, shape, how, left)
+        rows += got
+        if err:
+            result.setdefault("errors", []).append(err)
+            log(err)
         save()
     for r in rows:
         r["floor_ms"] = floor_ms(r["model"], r["B"], r["T"], args.context, bw["GBps"])
@@ -293,6 +410,9 @@ def steps_table(result: dict) -> str:
         lines.append(f"| {m} | {B} | {T} | {f(ours, 3)} | {f(fl, 3)} | {f(ours / fl if ours and fl else None)} | "
                      f"{f(eager)} | {f(_ms(rows, 'hf-eager', m, B, T))} | {f(_ms(rows, 'hf-compiled', m, B, T))} |")
     lines.append("")
+    for p in result.get("profile", []):
+        lines.append(f"- GPU time of one captured step, {p['model']} B={p['B']} T={p['T']}: " + ", ".join(
+            f"{k} {v['ms']:.2f} ms ({v['kernels']:.0f} kernels)" for k, v in sorted(p["classes"].items(), key=lambda kv: -kv[1]["ms"])))
     for c in result.get("checks", []):
         state = "not measured" if c["met"] is None else ("MET" if c["met"] else "MISSED")
         lines.append(f"- {c['check']}: {f(c['value'], 3)} (target <= {c['limit']}): {state}")
@@ -312,7 +432,7 @@ def run_demo(args, result: dict, save: Callable[[], None]) -> None:
     log(f"demo target converted: {folder}")
     prompts = load_prompts(args.prompts, args.per_category)
     methods = ["engine-target", "engine-spec", "hf-generate", "hf-assisted"]
-    bench = run_bench(str(folder), "prompt-lookup", prompts, methods, args.k, args.max_tokens, device="cuda",
+    bench = run_bench(str(folder), "prompt-lookup", prompts, methods, args.k, args.max_tokens, device=args.device,
                       progress=False)
     result["demo"] = bench
     result["demo_table"] = markdown_table(bench)
@@ -336,10 +456,14 @@ def run_concurrent(folder: str, args) -> dict:
     from specserve.bench import load_prompts
 
     n = args.concurrent
-    model, tok = load_model(folder, device="cuda", dtype=args.demo_dtype)
-    engine = SpeculativeEngine(model, tok, None, EngineConfig(max_batch_size=n, max_seq_len=2048, device="cuda"))
-    samples = load_prompts(args.prompts, 100)
-    ids = [engine.encode(s.prompt, chat=True) for s in samples]
+    model, tok = load_model(folder, device=args.device, dtype=args.demo_dtype)
+    engine = SpeculativeEngine(model, tok, None, EngineConfig(max_batch_size=n, max_seq_len=2048, device=args.device))
+    sync = torch.cuda.synchronize if torch.device(args.device).type == "cuda" else (lambda: None)
+    by_cat: dict[str, list] = {}
+    for s in load_prompts(args.prompts, 100):
+        by_cat.setdefault(s.category, []).append(s)
+    mixed = [c[i] for i in range(max(map(len, by_cat.values()))) for c in by_cat.values() if i < len(c)]  # round robin
+    ids = [engine.encode(s.prompt, chat=True) for s in mixed]
     ids = [p for p in ids if len(p) + args.max_tokens <= 2048][:n]
     params = SamplingParams(max_tokens=args.max_tokens, seed=0)
     variants = {"off": (None, None), "fixed-K": (PromptLookupDrafter(), None),
@@ -349,10 +473,10 @@ def run_concurrent(folder: str, args) -> dict:
     for rep in ("warm-up", "timed"):
         for name, (drafter, policy) in variants.items():
             engine.drafter, engine.k_policy = drafter, policy
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             res = engine.generate_batch(ids, params, SpecParams(num_draft_tokens=args.k))
-            torch.cuda.synchronize()
+            sync()
             dt = time.perf_counter() - t0
             tokens = sum(len(r.token_ids) for r in res)
             passes = sum(r.stats.get("target_passes") or 0 for r in res)
@@ -385,7 +509,10 @@ def concurrent_table(c: dict) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--part", choices=["steps", "demo", "all"], default="steps")
+    p.add_argument("--part", choices=["steps", "demo", "all", "hf-compiled"], default="steps")
+    p.add_argument("--hf-shape", default="llama-8b", help="(hf-compiled part) model shape")
+    p.add_argument("--hf-how", choices=["generate", "direct"], default="generate",
+                   help="(hf-compiled part) generate() with a static cache (T=1), or a direct compiled forward (T=K+1)")
     p.add_argument("--out", default=os.environ.get("OUT", "gpu-bench-out"), help="folder for gpu_bench_<part>.json")
     p.add_argument("--context", type=int, default=512, help="KV positions already in the cache per row")
     p.add_argument("-k", type=int, default=4, help="draft tokens: verify steps feed K+1 tokens")
@@ -398,6 +525,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrent", type=int, default=32)
     p.add_argument("--demo-dtype", default="float32")
+    p.add_argument("--device", default="cuda", help="(demo part) device of the engine and HF models")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -433,6 +561,9 @@ def run(args: argparse.Namespace) -> int:
         run_steps(args, result, save)
     if args.part in ("demo", "all"):
         run_demo(args, result, save)
+    if args.part == "hf-compiled":
+        run_hf_compiled_part(args, result, save)
+        return 0
     save()
     print()
     if "rows" in result:

@@ -49,6 +49,7 @@ def test_captured_logits_match_eager(runners):
         prompt = torch.randint(0, SMALL.vocab_size, (1, n), generator=g).cuda()
         for m in (graph, eager, ref32):
             m.forward(prompt, torch.tensor([0]), torch.tensor([slot]), n - 1)
+    agree_graph = agree_eager = total = 0
     for B, T in [(1, 1), (1, 5), (3, 1), (3, 5), (6, 4)]:
         for _ in range(2):  # first call captures, second replays
             slots = torch.randperm(len(lengths), generator=g)[:B]
@@ -60,8 +61,13 @@ def test_captured_logits_match_eager(runners):
             assert torch.isfinite(got).all()
             assert _rel(got, want) < 3e-2, (B, T, _rel(got, want))
             assert _rel(got, exact) < 1.5 * _rel(want, exact) + 2e-3, (B, T, _rel(got, exact), _rel(want, exact))
-            top_agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
-            assert top_agree > 0.9, (B, T, top_agree)
+            top = exact.argmax(-1)
+            agree_graph += int((got.argmax(-1) == top).sum())
+            agree_eager += int((want.argmax(-1) == top).sum())
+            total += top.numel()
+    # Random weights give near-flat logits, where bf16 rounding flips some argmaxes on either path: the
+    # captured path must pick the float32 argmax about as often as the eager bf16 path does.
+    assert agree_graph >= agree_eager - 0.05 * total, (agree_graph, agree_eager, total)
     assert graph.stats.captures >= 5 and graph.stats.host_syncs == 0
 
 
