@@ -24,7 +24,7 @@ import logging
 import os
 import socket
 import threading
-from typing import Any
+from typing import Any, Optional
 
 import ray
 
@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 COLLECTIVE_TIMEOUT_S = 60.0  # a collective (or startup barrier) waiting longer than this fails the replica
 CONTROL_TIMEOUT_S = 30.0  # a follower hearing nothing from rank 0 for this long exits
 HEARTBEAT_S = 5.0  # rank 0 sends an idle follower a no-op this often
+NOSET_CUDA_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 
 
 def rendezvous() -> str:
@@ -52,11 +53,31 @@ def _exit_process(err: BaseException) -> None:
     os._exit(1)
 
 
+def cuda_index(gpu_ids: list, visible: Optional[str]) -> int:
+    """torch's index of this actor's GPU when every GPU of the node stays visible (see `rank_actor_options`):
+    the position of Ray's GPU id in CUDA_VISIBLE_DEVICES, or the id itself when that is unset."""
+    assert len(gpu_ids) == 1, f"a tensor-parallel rank needs exactly one GPU, Ray gave it {gpu_ids}"
+    gid = str(gpu_ids[0])
+    return visible.split(",").index(gid) if visible else int(gid)
+
+
+def rank_actor_options(resources: Resources) -> dict[str, Any]:
+    """Actor options of a rank (bundle: added by the caller). On GPUs Ray is told not to narrow
+    CUDA_VISIBLE_DEVICES to the rank's own card: NCCL's peer-to-peer (NVLink) transport needs to see the
+    peers, else it falls back to copies through host memory (Ray Train and vLLM do the same)."""
+    opts = worker_actor_options(resources, has_placement_group=True)
+    if resources.num_gpus > 0:
+        opts["runtime_env"] = {"env_vars": {NOSET_CUDA_VISIBLE_DEVICES: "1"}}
+    return opts
+
+
 def load_rank(model: Any, rank: int, world_size: int, init_method: str, device: str, dtype: str,
               collective_timeout_s: float = COLLECTIVE_TIMEOUT_S, control_timeout_s: float = CONTROL_TIMEOUT_S):
     """Join the group and load this rank's shard (graph-wrapped on CUDA). -> (runner, TPContext)."""
     from pipeline.models.tensor_parallel import init_tensor_parallel, load_tensor_parallel_model, tensor_parallel_graphs
 
+    if device == "cuda" and os.environ.get(NOSET_CUDA_VISIBLE_DEVICES) == "1":
+        device = f"cuda:{cuda_index(ray.get_gpu_ids(), os.environ.get('CUDA_VISIBLE_DEVICES'))}"
     tp = init_tensor_parallel(rank, world_size, init_method, device, collective_timeout_s, control_timeout_s)
     runner = load_tensor_parallel_model(model, tp, dtype)
     if tp.device.type == "cuda":
@@ -116,7 +137,7 @@ def spawn_tensor_parallel_workers(leader_cls: type, role: str, resources: Resour
     follower_kwargs = {k: init_kwargs[k] for k in ("model", "device", "dtype", "torch_threads") if k in init_kwargs}
     workers = []
     for rank in range(world_size):
-        opts = worker_actor_options(resources, has_placement_group=True)
+        opts = rank_actor_options(resources)
         opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=rank, placement_group_capture_child_tasks=True)
         name = worker_name(ctx.app_name, role, ctx.replica_id.unique_id, rank)

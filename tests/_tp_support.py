@@ -141,6 +141,15 @@ def compare_ranks(rank: int, world_size: int, init: str, models: dict[str, str],
         if rank == 0:
             leader = TensorParallelRunner(inner, tp, heartbeat_s=0.4)
             leader.allocate(SLOTS, MAX_LEN)
+            bad = [(torch.tensor([[1]]), torch.tensor([0]), torch.tensor([SLOTS])),  # no such slot
+                   (torch.tensor([[1, 2]]), torch.tensor([MAX_LEN - 1]), torch.tensor([0])),  # past the cache
+                   (torch.tensor([[inner.info.vocab_size]]), torch.tensor([0]), torch.tensor([0]))]  # not a token
+            results[f"{key}_rejected"] = 0
+            for call in bad:  # refused on rank 0 before anything is broadcast: the group stays usable
+                try:
+                    leader.forward(*call)
+                except AssertionError:
+                    results[f"{key}_rejected"] += 1
             results[key] = script(leader, inner.info.vocab_size)
             if key == "driven":
                 time.sleep(3.0)  # idle past the 2 s control timeout: heartbeats keep the follower waiting

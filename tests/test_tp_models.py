@@ -151,6 +151,7 @@ def test_each_rank_reads_and_holds_only_its_slices(run2, references, name):
 def test_driven_mode_and_the_static_graph_path_equal_tp1(run2, references):
     want = references["llama"][0]
     _assert_same(run2["results"]["driven"], want, "driven")
+    assert run2["results"]["driven_rejected"] == 3  # bad calls fail on rank 0 alone; the group went on
     if "graphs" not in run2["results"]:
         pytest.skip("pipeline/models/graphs.py is not in this checkout")
     _assert_same(run2["results"]["graphs"], want, "graphs")

@@ -1,0 +1,35 @@
+"""Pure parts of the tensor-parallel Serve layer: which GPU a rank uses when every GPU of the node stays
+visible, rank actor options, and the placement bundles a TP replica gets on CPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from deployments import config as cfg
+from deployments.tp_group import NOSET_CUDA_VISIBLE_DEVICES, cuda_index, rank_actor_options
+
+
+@pytest.mark.parametrize("ids, visible, index", [([3], "0,1,2,3", 3), ([3], "4,3", 1), (["2"], None, 2), ([0], "", 0)])
+def test_cuda_index_is_the_position_of_rays_gpu_id(ids, visible, index):
+    assert cuda_index(ids, visible) == index
+
+
+def test_cuda_index_wants_one_gpu_per_rank():
+    with pytest.raises(AssertionError, match="exactly one GPU"):
+        cuda_index([0, 1], None)
+
+
+def test_gpu_ranks_keep_every_gpu_visible_cpu_ranks_are_plain():
+    gpu = rank_actor_options(cfg.Resources(num_gpus=1, num_cpus=2, accelerator_type="H100"))
+    assert gpu["runtime_env"] == {"env_vars": {NOSET_CUDA_VISIBLE_DEVICES: "1"}}
+    assert gpu["num_gpus"] == 1 and "accelerator_type" not in gpu  # the bundle claims the accelerator type
+    cpu = rank_actor_options(cfg.Resources(num_cpus=0.01))
+    assert "runtime_env" not in cpu and cpu["num_cpus"] == 0.01
+
+
+def test_cpu_tensor_parallel_replica_gets_packed_bundles_or_a_clear_error():
+    c = cfg.AppConfig(redis_url="redis://r:6379/0", target={"tensor_parallel_size": 2, "resources": {"num_cpus": 0.01}})
+    o = cfg.deployment_options(c)[cfg.TARGET]
+    assert o["placement_group_bundles"] == [{"CPU": 0.01}] * 2 and o["placement_group_strategy"] == "STRICT_PACK"
+    with pytest.raises(ValueError, match="needs num_cpus > 0 per worker"):
+        cfg.deployment_options(cfg.AppConfig(redis_url="redis://r:6379/0", target={"tensor_parallel_size": 2}))
