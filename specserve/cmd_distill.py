@@ -1,0 +1,98 @@
+"""`specserve distill`: train a small drafter for a target by distillation on the target's own outputs.
+
+    specserve distill --target PATH --out DIR --prompts PROMPTS.jsonl [--eval-prompts spec_bench_dev.jsonl]
+
+Writes a loadable drafter folder to DIR (HF format + draft_vocab.safetensors); re-running the same
+command resumes (data shards and the training checkpoint live in DIR/work). See pipeline/distill/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="target model folder or .gguf (default: the demo target)")
+    p.add_argument("--out", required=True, help="output folder (the drafter; work files under DIR/work)")
+    p.add_argument("--prompts", default=None,
+                   help="training prompts: .jsonl(.gz) chats or .npz token ids (ops/distill/build_prompts.py); "
+                        "required unless the target has no tokenizer (then random-token prompts are used)")
+    p.add_argument("--eval-prompts", default=None,
+                   help="evaluation prompts (e.g. ../shared/data/spec_bench_dev.jsonl): evaluated on, never trained on")
+    p.add_argument("--layers", type=_ints, default=(2,),
+                   help="drafter depth; a list (e.g. 1,2,4) trains variants side by side and keeps the best")
+    p.add_argument("--draft-vocab", type=int, default=8192, help="output vocabulary rows (0 = target's full vocabulary)")
+    p.add_argument("--init-layers", default="first", choices=("first", "spread", "random"))
+    p.add_argument("--init-from", default=None, help="start from this drafter folder (continue training)")
+    p.add_argument("--select", default="speedup", choices=("speedup", "first"),
+                   help="which variant to export: best held-out tokens-per-pass / (1 + K x cost), or the first listed")
+    p.add_argument("--gen-tokens", type=int, default=2_000_000, help="answer tokens to generate with the target")
+    p.add_argument("--gen-seconds", type=float, default=None, help="or stop generating after this long")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="answer length limit when generating data")
+    p.add_argument("--sample-fraction", type=float, default=0.3, help="share of prompts answered by sampling")
+    p.add_argument("--gen-batch-tokens", type=int, default=1 << 20, help="rows x (prompt + new tokens) per generate call")
+    p.add_argument("--gen-max-batch", type=int, default=1024, help="rows per generate call")
+    p.add_argument("--chunk-prompts", type=int, default=4096, help="prompts per data shard")
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--train-seconds", type=float, default=None, help="fit the step count to this budget instead")
+    p.add_argument("--batch-tokens", type=int, default=65536)
+    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--warmup-steps", type=int, default=100)
+    p.add_argument("--prompt-weight", type=float, default=0.1)
+    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--ckpt-every", type=int, default=250)
+    p.add_argument("--eval-max-new-tokens", type=int, default=128)
+    p.add_argument("--heldout-prompts", type=int, default=256)
+    p.add_argument("-k", "--eval-k", type=int, default=4, help="K for the acceptance figures")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="default: bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the metrics as JSON at the end")
+
+
+def config_from_args(args: argparse.Namespace):  # -> DistillConfig
+    import torch
+
+    from pipeline.distill.config import DistillConfig
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    return DistillConfig(
+        target=args.target, out=args.out, prompts=args.prompts, eval_prompts=args.eval_prompts,
+        heldout_prompts=args.heldout_prompts, layers=args.layers, init_layers=args.init_layers,
+        init_from=args.init_from,
+        draft_vocab=args.draft_vocab, select=args.select, gen_tokens=args.gen_tokens, gen_seconds=args.gen_seconds,
+        max_new_tokens=args.max_new_tokens, sample_fraction=args.sample_fraction,
+        gen_batch_tokens=args.gen_batch_tokens, gen_max_batch=args.gen_max_batch, chunk_prompts=args.chunk_prompts,
+        steps=args.steps, train_seconds=args.train_seconds, batch_tokens=args.batch_tokens,
+        max_seq_len=args.max_seq_len, lr=args.lr, warmup_steps=args.warmup_steps, prompt_weight=args.prompt_weight,
+        eval_every=args.eval_every, ckpt_every=args.ckpt_every, eval_k=args.eval_k,
+        eval_max_new_tokens=args.eval_max_new_tokens, device=device, dtype=dtype, eval_dtype="float32", seed=args.seed,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipeline.distill.run import distill, summary_table
+
+    metrics = distill(config_from_args(args))
+    print(summary_table(metrics))
+    if args.json:
+        print(json.dumps(metrics, default=str))
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("distill", help="train a drafter for a target by distillation",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=run)
