@@ -135,7 +135,7 @@ class Slice:
     zeros: bool = False
 
     def take(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a full tensor (tests, and sharding an already loaded model)."""
+        """This rank's part of a full tensor (tests, random-weight benchmarks)."""
         if self.zeros:
             return torch.zeros_like(full)
         if self.dim is None:
@@ -283,14 +283,6 @@ def build_sharded_transformer(
         model.output.weight = model.tok_embeddings.weight
     model.shard_plan = plan
     return model.eval().requires_grad_(False)
-
-
-def shard_transformer(model: Transformer, plan: ShardPlan, group: Any) -> Transformer:
-    """Shard an already loaded full model (tests; small models): slices of its own tensors."""
-    full = model.state_dict()
-    p = model.tok_embeddings.weight
-    return build_sharded_transformer(model.args, plan, group, lambda name, _shape, sl: sl.take(full[name]),
-                                     device=p.device, dtype=p.dtype)
 
 
 def safetensors_source(folder: Path, stats: Optional[dict] = None) -> TensorSource:
