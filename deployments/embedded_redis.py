@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Optional
 
@@ -74,8 +75,7 @@ class EmbeddedRedis:
             self.binary, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
             "--dir", self._dir, "--protected-mode", "no", "--daemonize", "no", "--loglevel", "warning",
         ]
-        self._proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        self._proc = _spawn_owned(args)
         atexit.register(self.stop)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -108,6 +108,33 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _spawn_owned(args: list[str]) -> subprocess.Popen:
+    """Popen from a dedicated thread that lives exactly as long as the child.
+
+    The child gets SIGTERM when its owner dies (PR_SET_PDEATHSIG), even by SIGKILL, so no server is left
+    orphaned. Linux ties that signal to the *thread* that forked: forking from a pool thread that later
+    exits (as a Serve replica's constructor may run on) would kill the server early. Hence the thread.
+    """
+    box: dict[str, object] = {}
+    ready = threading.Event()
+
+    def own() -> None:
+        try:
+            box["proc"] = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                           preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        except BaseException as err:  # noqa: BLE001 - re-raised in the caller
+            box["err"] = err
+        ready.set()
+        if "proc" in box:
+            box["proc"].wait()
+
+    threading.Thread(target=own, name="redis-server-owner", daemon=True).start()
+    ready.wait()
+    if "err" in box:
+        raise box["err"]  # type: ignore[misc]
+    return box["proc"]  # type: ignore[return-value]
 
 
 def _die_with_parent() -> None:

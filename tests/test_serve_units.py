@@ -430,3 +430,40 @@ def test_step_batcher_requeues_unfinished_rows_first():
     assert asyncio.run(scenario()) == ("long!", "short!")
     assert passes[0] == ["long"] and all(p[0] == "long" for p in passes[:3]) and len(passes) == 3
     assert "short" in passes[1]  # a running request steps while the long prompt is still prefilling
+
+
+def test_embedded_redis_outlives_its_starting_thread_and_dies_with_its_process():
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from deployments.embedded_redis import ping
+
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", EmbeddedRedis().start()))
+    t.start()
+    t.join()
+    time.sleep(0.5)
+    try:
+        assert ping(box["r"].url)  # a Serve replica may construct it on a pool thread that exits
+    finally:
+        box["r"].stop()
+
+    code = ("from deployments.embedded_redis import EmbeddedRedis; r = EmbeddedRedis().start(); "
+            "print(r._proc.pid, flush=True); import time; time.sleep(60)")
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    pid = int(owner.stdout.readline())
+    owner.kill()  # SIGKILL: no cleanup code runs in the owner
+    owner.wait()
+
+    def gone():
+        try:
+            return open(f"/proc/{pid}/stat").read().split()[2] in ("Z", "X")
+        except FileNotFoundError:
+            return True
+
+    deadline = time.monotonic() + 10
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone(), "redis-server outlived its owner"
