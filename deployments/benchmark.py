@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--repeats", type=int, default=2, help="engine/HTTP pairs per prompt (one stream)")
     p.add_argument("--no-overlap", action="store_true")
+    p.add_argument("--draft", default=None,
+                   help="'prompt-lookup' or a drafter model folder (default: the core engine's default drafter)")
     p.add_argument("--out", default="bench-serve")
     args = p.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -91,13 +93,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from deployments.app import build_app
     from pipeline.config import EngineConfig, SamplingParams, SpecParams
-    from pipeline.engine import SpeculativeEngine
+    from pipeline.engine import DEFAULT_DRAFT, SpeculativeEngine
     from pipeline.models.store import resolve
     from specserve.bench import DEFAULT_PROMPTS, load_prompts, machine
 
     torch.set_num_threads(args.threads)
     target = str(resolve(None))
-    engine = SpeculativeEngine.from_pretrained(target, "prompt-lookup", EngineConfig(max_batch_size=16, max_seq_len=2048))
+    draft = args.draft or DEFAULT_DRAFT
+    if draft != "prompt-lookup":
+        draft = str(resolve(draft))
+    engine = SpeculativeEngine.from_pretrained(target, draft, EngineConfig(max_batch_size=16, max_seq_len=2048))
     samples = load_prompts(DEFAULT_PROMPTS, args.per_category)
     prompts = [engine.encode(s.prompt, chat=True) for s in samples]
     params = SamplingParams(max_tokens=args.max_tokens, seed=0)
@@ -108,7 +113,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     quiet = {"log_level": "WARNING", "enable_access_log": False}
     serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=quiet)
     cfg = {"target": {"model": target, "max_seq_len": 2048, "resources": {"torch_threads": args.threads}},
-           "drafter": {"method": "prompt_lookup"}, "speculation": {"num_draft_tokens": args.num_draft_tokens},
+           "drafter": ({"method": "prompt_lookup"} if draft == "prompt-lookup" else
+                       {"method": "model", "model": draft, "resources": {"torch_threads": args.threads}}),
+           "speculation": {"num_draft_tokens": args.num_draft_tokens},
            "coordinator": {"overlap": not args.no_overlap}}
     serve.run(build_app(cfg), name="bench", route_prefix="/", logging_config=quiet)
     url = f"http://127.0.0.1:{port}/v1/completions"
@@ -151,7 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "itl_ms": summary_ms([g for r in rows for g in r["gaps"]])}
 
     result: dict[str, Any] = {
-        "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "target": target, "drafter": "prompt-lookup",
+        "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "target": target, "drafter": draft if draft == "prompt-lookup" else Path(draft).name,
         "k": args.num_draft_tokens, "max_tokens": args.max_tokens, "threads": args.threads, "prompts": len(prompts),
         "overlap": not args.no_overlap, "load_average_start": os.getloadavg(),
         "single": {"engine": agg(single["engine"]), "http": agg(single["http"]), "greedy_mismatches": mismatches,
