@@ -96,7 +96,7 @@ class AdaptiveK:
     explore_every: int = 32  # first interval between exploration steps (per batch bucket)
     max_explore_every: int = 1024
     cost_weight: float = 0.25  # EMA weight of a new cost measurement
-    decay: float = 0.98  # per step that drafted anything, on the acceptance counts
+    decay: float = 0.98  # per step that drafted anything (steps without drafts tell nothing), on the counts
     accepted: float = 0.0
     rejected: float = 0.0
     steps: int = 0
@@ -104,6 +104,7 @@ class AdaptiveK:
     _samples: dict[tuple[int, int], int] = field(default_factory=dict)
     _last: dict[tuple[int, int], int] = field(default_factory=dict)  # step of the last measurement
     _explore: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # bucket -> (next step, interval, best)
+    _warm: set = field(default_factory=set)  # (bucket, k) whose first, warm-up step was seen (and not counted)
 
     def __post_init__(self) -> None:
         assert self.max_k >= 0, f"max_k must be >= 0, got {self.max_k}"
@@ -151,13 +152,15 @@ class AdaptiveK:
     ) -> None:
         self.steps += 1
         key = (batch_bucket(batch), k)
+        self.accepted *= self.decay if any(n > 0 for n in num_draft) else 1.0
+        self.rejected *= self.decay if any(n > 0 for n in num_draft) else 1.0
+        for n, a in zip(num_draft, num_accepted):
+            self.accepted += a
+            self.rejected += 1 if a < n else 0
+        if key not in self._warm:  # the first step of a shape pays one-time costs (graph capture, compilation)
+            self._warm.add(key)
+            return
         old = self._cost.get(key)
         self._cost[key] = seconds if old is None else (1 - self.cost_weight) * old + self.cost_weight * seconds
         self._samples[key] = self._samples.get(key, 0) + 1
         self._last[key] = self.steps
-        if any(n > 0 for n in num_draft):  # steps without drafts tell nothing about acceptance
-            self.accepted *= self.decay
-            self.rejected *= self.decay
-        for n, a in zip(num_draft, num_accepted):
-            self.accepted += a
-            self.rejected += 1 if a < n else 0
