@@ -522,7 +522,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", default="1,8,16,32")
     p.add_argument("--hf-batches", default="1,8,32")
     p.add_argument("--budget-s", type=float, default=480.0, help="skip optional HF compiled runs past this")
-    p.add_argument("--gguf", default=None, help="the demo target's GGUF file (demo part)")
+    p.add_argument("--gguf", default=None,
+                   help="the demo target's GGUF file (demo part), or its converted folder (concurrent part)")
     p.add_argument("--prompts", default=None, help="Spec-Bench jsonl (default: specserve.bench's)")
     p.add_argument("--per-category", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128)
