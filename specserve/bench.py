@@ -146,9 +146,11 @@ def run_bench(
 
 
 def _hf_assistant(path: str, k: int, device: str):
-    from transformers import AutoModelForCausalLM
+    # issue 8: a distilled drafter may have a reduced draft vocabulary; this wrapper maps it to target ids
+    # (plain AutoModelForCausalLM for any other folder).
+    from pipeline.distill.drafter import load_hf_assistant
 
-    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    m = load_hf_assistant(path, device=device, dtype=torch.float32)
     m.generation_config.num_assistant_tokens = k
     m.generation_config.num_assistant_tokens_schedule = "constant"
     m.generation_config.assistant_confidence_threshold = 0.0
