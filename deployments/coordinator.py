@@ -27,7 +27,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
-from deployments.acceptance import accept_row as _accept
+from pipeline.rejection import accept_row
 from deployments.config import DRAFTER, TARGET, AppConfig
 from deployments.drafter_replica import ProposeRow
 from deployments.protocol import APIError
@@ -254,7 +254,8 @@ class Coordinator:
         t2 = time.perf_counter()
         run.timing["draft_s"] += t1 - t0
         run.timing["verify_s"] += t2 - t1
-        num_accepted, emitted = _accept(verdict, draft.tokens, state.params.seed, state.step)
+        num_accepted, emitted = accept_row(verdict["accept_probs"], verdict["target_tokens"], draft.tokens,
+                                           state.params.seed, state.step)
         expected_step = state.step
         committed, text = state.commit(emitted, len(draft.tokens), num_accepted)
         if run.pre is not None and not (

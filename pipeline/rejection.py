@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.rng import Stream, uniform
+from pipeline.rng import Stream, uniform, uniform_row
 from pipeline.sampling import SamplingTensors, sample_from_probs, warp
 
 
@@ -114,6 +114,29 @@ def accept(
     idx = torch.arange(K + 1, device=padded.device)[None, :]
     tokens = torch.where(idx < num_accepted[:, None], padded, final.expand(B, K + 1))
     return AcceptOutput(num_accepted=num_accepted, tokens=tokens)
+
+
+def accept_row(
+    accept_probs: list[float],  # [K] from VerifyOutput, one row
+    target_tokens: list[int],  # [K+1]
+    draft_tokens: list[int],  # [K]
+    seed: int,
+    step: int,
+) -> tuple[int, list[int]]:
+    """`accept` for a single request in plain Python (bit-identical; tests check it against `accept`).
+
+    Returns (accepted draft tokens n, emitted tokens draft[:n] + [recovered or bonus]). Uniforms are only
+    computed when some acceptance probability is strictly between 0 and 1 (never for greedy).
+    """
+    K = len(draft_tokens)
+    assert len(accept_probs) == K and len(target_tokens) == K + 1, (
+        f"verdict for K={len(accept_probs)} with {len(target_tokens)} target tokens, draft has {K}"
+    )
+    u = uniform_row(seed, step, Stream.ACCEPT, K) if any(0.0 < q < 1.0 for q in accept_probs) else [0.5] * K
+    n = 0
+    while n < K and u[n] < accept_probs[n]:
+        n += 1
+    return n, [*draft_tokens[:n], int(target_tokens[n])]
 
 
 def _dense_draft_probs(draft: DraftBlock, drafted: torch.Tensor, V: int) -> torch.Tensor:

@@ -289,47 +289,6 @@ def test_build_app_fails_clearly_when_redis_is_unreachable():
         build_app({"redis_url": "redis://127.0.0.1:1/0"})
 
 
-# -- the coordinator's plain-Python accept == pipeline.rejection.accept ------------------------------------
-
-def test_coordinator_uniforms_are_bit_identical_to_pipeline_rng():
-    import torch
-
-    from deployments.acceptance import uniforms as _uniforms
-    from pipeline.rng import Stream, uniform
-
-    seeds = [0, 1, 2**31 - 1, 2**32 + 5, 2**62 + 12345, 987654321987654321]
-    for seed in seeds:
-        for step in (0, 1, 7, 2**31 + 3):
-            for stream in Stream:
-                want = uniform(torch.tensor([seed]), torch.tensor([step]), stream, 9)[0].tolist()
-                assert _uniforms(seed, step, int(stream), 9) == want
-
-
-def test_coordinator_accept_matches_pipeline_accept():
-    import random
-
-    import torch
-
-    from deployments.acceptance import accept_row as _accept
-    from pipeline.rejection import AcceptOutput, DraftBlock, VerifyOutput, accept
-
-    rnd = random.Random(0)
-    for trial in range(300):
-        K = rnd.randint(0, 6)
-        draft = [rnd.randrange(100) for _ in range(K)]
-        probs = [rnd.choice([0.0, 1.0, rnd.random()]) for _ in range(K)]
-        targets = [rnd.randrange(100) for _ in range(K + 1)]
-        seed, step = rnd.randrange(2**62), rnd.randrange(1000)
-        ref: AcceptOutput = accept(
-            VerifyOutput(torch.tensor([probs], dtype=torch.float32).view(1, K), torch.tensor([targets])),
-            DraftBlock(torch.tensor([draft], dtype=torch.int64).view(1, K), torch.tensor([K])),
-            torch.tensor([seed]), torch.tensor([step]))
-        n = int(ref.num_accepted[0])
-        got = _accept({"accept_probs": torch.tensor(probs, dtype=torch.float32).tolist(),
-                       "target_tokens": targets}, draft, seed, step)
-        assert got == (n, ref.tokens[0, : n + 1].tolist()), trial
-
-
 # -- step batching ------------------------------------------------------------------------------------------
 
 def test_step_batcher_batches_concurrent_calls_and_bounds_prefills_per_pass():
