@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--limit", type=int, default=None, help="first N questions only")
+    ap.add_argument("--stride", type=int, default=1, help="every n-th question (all categories, fewer prompts)")
     ap.add_argument("--exclude", default="", help="comma-separated question_id[:turn] left out of the summary")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -44,7 +45,7 @@ def main() -> None:
     engine = SpeculativeEngine.from_pretrained(args.target, draft=args.draft,
                                                config=EngineConfig(max_batch_size=1, max_seq_len=4096))
     tok = engine.tokenizer
-    rows = [json.loads(line) for line in open(args.prompts) if line.strip()][: args.limit]
+    rows = [json.loads(line) for line in open(args.prompts) if line.strip()][:: args.stride][: args.limit]
     records = []
     t_start = time.time()
     for qi, row in enumerate(rows):
@@ -77,7 +78,7 @@ def main() -> None:
         return str(r["question_id"]) not in excluded and f"{r['question_id']}:{r['turn'] + 1}" not in excluded
 
     summary = summarize([r for r in records if keep(r)], args.k)
-    result = {"draft": args.draft, "k": args.k, "temperature": args.temperature, "max_tokens": args.max_tokens,
+    result = {"draft": args.draft, "k": args.k, "stride": args.stride, "temperature": args.temperature, "max_tokens": args.max_tokens,
               "threads": args.threads, "date": time.strftime("%Y-%m-%d"), "excluded": sorted(excluded),
               "summary": summary, "summary_all": summarize(records, args.k), "records": records}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

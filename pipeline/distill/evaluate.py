@@ -16,6 +16,7 @@ are then simulated with seeded uniforms. The exact figure comes from running the
 from __future__ import annotations
 
 from collections import defaultdict
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,7 +117,7 @@ def draft_accept_probs(
 
     device = next(draft.parameters()).device
     out: list[np.ndarray] = [np.zeros(0)] * len(data)
-    ac = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else _null()
+    ac = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
     for idx in _batches(data, batch_tokens):
         ids = _padded(data, idx, device)
         with ac:
@@ -140,14 +141,6 @@ def draft_accept_probs(
             p_at = p.gather(-1, draft.to_token_ids(rows))  # [n_ans, k]
             out[i] = torch.minimum(p_at, q_top).sum(-1).clamp(max=1.0).cpu().numpy()
     return out
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def acceptance_report(data: SampleSet, probs: list[np.ndarray], k: int, sampled: bool, seed: int = 0) -> dict:

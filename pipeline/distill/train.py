@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -196,7 +197,7 @@ class Trainer:
         return metrics
 
     def _ac(self):
-        return self.autocast if self.autocast is not None else torch.autocast(self.device.type, enabled=False)
+        return self.autocast if self.autocast is not None else nullcontext()
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self, evaluate: Callable[[], dict], progress: Callable[[str], None] = print) -> list[dict]:
