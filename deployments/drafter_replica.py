@@ -49,8 +49,9 @@ class DrafterWorker:
         torch.set_num_threads(torch_threads)
         from pipeline.drafters import ModelDrafter
         from pipeline.models.loader import load_model
+        from pipeline.models.store import DEMO_DRAFT
 
-        runner, _ = load_model(model, device=device, dtype=dtype)
+        runner, _ = load_model(model or DEMO_DRAFT, device=device, dtype=dtype)  # None: the shipped demo drafter
         runner.allocate(max_batch_size, max_seq_len + CACHE_SLACK)
         self.drafter = ModelDrafter(runner)
         self._ctx: dict[str, list[int]] = {}

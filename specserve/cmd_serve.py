@@ -119,7 +119,9 @@ def run(args: argparse.Namespace) -> int:
     print("specserve: preparing models ...", flush=True)
     cfg.target.model = str(resolve(cfg.target.model))
     if cfg.drafter.method == "model":
-        cfg.drafter.model = str(resolve(cfg.drafter.model))
+        from pipeline.models.store import DEMO_DRAFT
+
+        cfg.drafter.model = str(resolve(cfg.drafter.model or DEMO_DRAFT))  # None: the shipped demo drafter
 
     import ray
     from ray import serve
