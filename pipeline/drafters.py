@@ -97,15 +97,22 @@ class ModelDrafter:
         self._out_ids = None if ids is None else torch.as_tensor(ids, dtype=torch.int64)
         self.device = torch.device(getattr(model, "device", "cpu"))
 
-    def _slot(self, request_id: str) -> int:
-        if request_id not in self._slots:
-            if not self._free:
-                used = set(self._slots.values())
-                self._free = [s for s in range(self.model.num_slots) if s not in used]
-            if not self._free:
-                raise RuntimeError(f"drafter has no free KV-cache slot ({self.model.num_slots} in use)")
-            self._slots[request_id] = self._free.pop()
-            self._fed[request_id] = []
+    def _slot(self, request_id: str, busy: set[str]) -> int:
+        """The request's cache slot (most recently used order). When all are taken, the least recently used
+        request outside this call loses its slot: it is simply re-fed from its context next time."""
+        if request_id in self._slots:
+            self._slots[request_id] = self._slots.pop(request_id)
+            return self._slots[request_id]
+        if not self._free:
+            used = set(self._slots.values())
+            self._free = [s for s in range(self.model.num_slots) if s not in used]
+        if not self._free:
+            victim = next((r for r in self._slots if r not in busy), None)
+            if victim is None:
+                raise RuntimeError(f"a propose call of {len(busy)} rows exceeds the drafter's {self.model.num_slots} slots")
+            self.release(victim)
+        self._slots[request_id] = self._free.pop()
+        self._fed[request_id] = []
         return self._slots[request_id]
 
     def release(self, request_id: str) -> None:
@@ -117,7 +124,8 @@ class ModelDrafter:
     def propose(self, rows, k, sampling, steps, draft_top_k) -> DraftBlock:
         B = len(rows)
         device = self.device
-        slots = torch.tensor([self._slot(r.request_id) for r in rows], dtype=torch.int64, device=device)
+        busy = {r.request_id for r in rows}
+        slots = torch.tensor([self._slot(r.request_id, busy) for r in rows], dtype=torch.int64, device=device)
         # 1. Catch up: feed each row's committed tokens its cache lacks (ragged; right-padded).
         pending, starts = [], []
         for r in rows:

@@ -186,3 +186,24 @@ def test_prompt_lookup_finds_most_recent_continuation():
     d = PromptLookupDrafter(max_ngram=2)
     assert d.lookup([1, 2, 3, 9, 1, 2, 4, 7, 1, 2], 3) == [4, 7, 1]
     assert d.lookup([1, 2, 3], 3) == []
+
+
+def test_model_drafter_evicts_least_recent_request_when_slots_run_out(tiny_models):
+    """More live requests than drafter slots: an evicted request is re-fed, and its drafts do not change."""
+    from pipeline.drafters import DraftRequest
+    from pipeline.sampling import SamplingTensors
+
+    small, big = load_model(tiny_models["draft"])[0], load_model(tiny_models["draft"])[0]
+    small.allocate(1, 128)
+    big.allocate(3, 128)
+    one, three = ModelDrafter(small), ModelDrafter(big)
+    sampling = SamplingTensors.from_params([SamplingParams(seed=0)])
+    steps = torch.zeros(1, dtype=torch.int64)
+    contexts = {"a": PROMPTS[0], "b": PROMPTS[1], "c": PROMPTS[2]}
+    for rid in ["a", "b", "a", "c", "b", "a"]:
+        contexts[rid] = list(contexts[rid]) + [7]
+        row = [DraftRequest(rid, contexts[rid], 3)]
+        got = one.propose(row, 3, sampling, steps, 8).token_ids
+        want = three.propose(row, 3, sampling, steps, 8).token_ids
+        assert torch.equal(got, want), rid
+    assert len(one._slots) == 1
