@@ -16,11 +16,10 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from deployments import metrics, tracing
-from deployments.autoscaling import ONGOING_REQUESTS
 from deployments.batching import StepBatcher
 from deployments.config import DRAFTER, AppConfig
 from deployments.target_replica import CACHE_SLACK
-from deployments.workers import CACHE_MISS, spawn_workers
+from deployments.workers import CACHE_MISS, ModelHost, spawn_workers
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +120,7 @@ class DrafterWorker:
         return results
 
 
-class DrafterServer:
+class DrafterServer(ModelHost):
     """The Serve replica of the drafter deployment."""
 
     async def __init__(self, config: dict[str, Any]) -> None:
@@ -134,22 +133,3 @@ class DrafterServer:
         )
         self._info = await self.workers[0].info.remote()
 
-    async def info(self) -> dict[str, Any]:
-        return self._info
-
-    async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Serve autoscaling input: requests drafting here lately (deployments/autoscaling.py)."""
-        stats = await self.workers[0].stats.remote()
-        return {ONGOING_REQUESTS: float(stats["active_requests"])}
-
-    async def check_health(self) -> None:
-        await asyncio.wait_for(self.workers[0].ping.remote(), 20.0)
-
-    def __del__(self) -> None:
-        import ray
-
-        for w in getattr(self, "workers", []):
-            try:
-                ray.kill(w)
-            except Exception:  # noqa: BLE001
-                pass

@@ -26,10 +26,9 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from deployments import metrics, tracing
-from deployments.autoscaling import ONGOING_REQUESTS
 from deployments.batching import AGAIN, StepBatcher
 from deployments.config import TARGET, AppConfig
-from deployments.workers import CACHE_MISS, spawn_workers
+from deployments.workers import CACHE_MISS, ModelHost, spawn_workers
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +222,7 @@ def _pad_sparse(rows: Sequence[VerifyRow], K: int, torch) -> tuple[Any, Any]:
     return ids, probs
 
 
-class TargetServer:
+class TargetServer(ModelHost):
     """The Serve replica of the target deployment: starts the workers, answers control calls, health."""
 
     async def __init__(self, config: dict[str, Any]) -> None:
@@ -239,22 +238,3 @@ class TargetServer:
         )
         self._info = await self.workers[0].info.remote()  # waits for the model to load
 
-    async def info(self) -> dict[str, Any]:
-        return self._info
-
-    async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Serve autoscaling input: requests verifying here lately (deployments/autoscaling.py)."""
-        stats = await self.workers[0].stats.remote()
-        return {ONGOING_REQUESTS: float(stats["active_requests"])}
-
-    async def check_health(self) -> None:
-        await asyncio.wait_for(asyncio.gather(*[w.ping.remote() for w in self.workers]), 20.0)
-
-    def __del__(self) -> None:
-        import ray
-
-        for w in getattr(self, "workers", []):
-            try:
-                ray.kill(w)
-            except Exception:  # noqa: BLE001 - best effort at shutdown
-                pass

@@ -128,3 +128,31 @@ def is_actor_lost(err: BaseException) -> bool:
     from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
     return isinstance(err, (ActorDiedError, ActorUnavailableError, RayActorError, asyncio.TimeoutError))
+
+
+class ModelHost:
+    """What the drafter and target Serve replicas share: they are light hosts of worker actors
+    (`self.workers`, rank 0 first) that hold the model; these methods answer Serve about them."""
+
+    workers: list
+    _info: dict[str, Any]
+
+    async def info(self) -> dict[str, Any]:
+        return self._info
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve autoscaling input: requests that called rank 0 lately (deployments/autoscaling.py)."""
+        from deployments.autoscaling import ONGOING_REQUESTS
+
+        stats = await self.workers[0].stats.remote()
+        return {ONGOING_REQUESTS: float(stats["active_requests"])}
+
+    async def check_health(self) -> None:
+        await asyncio.wait_for(asyncio.gather(*[w.ping.remote() for w in self.workers]), 20.0)
+
+    def __del__(self) -> None:
+        for w in getattr(self, "workers", []):
+            try:
+                ray.kill(w)
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
