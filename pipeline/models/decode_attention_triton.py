@@ -1,0 +1,170 @@
+"""Triton kernels of `pipeline.models.decode_attention` (imported lazily: this module needs triton).
+
+Split-KV ("flash-decoding") attention over the slot-indexed cache, read in place:
+
+- `slot_attention_split`: grid (key splits, B * Hkv, query blocks). A program takes one row b, one KV head h,
+  a block of BLOCK_M stacked query rows (index g*T + t) and one chunk of CHUNK key positions; it reads
+  keys/values straight from `cache[slots[b], h, key, :]` (explicit strides: the cache and its slices are not
+  contiguous), runs an online softmax in float32 (scores in log2 units, exp2), and writes either the final
+  output (one split) or its un-normalised partial sum, running maximum and denominator.
+- `slot_attention_combine`: grid (B * Hkv, query blocks); merges the partials of every split (log-sum-exp).
+
+The key loop stops at the block's largest query position + 1 (and, with a sliding window, starts at its
+smallest position - window + 1), so keys past a row's length are never read even though the grid is fixed by
+the bucket's S. A query row whose chunk holds no visible key keeps max = -inf and denominator 0; the combine
+gives such a split weight 0. Every real query row sees at least its own position, so its total is > 0.
+
+With TRITON_INTERPRET=1 in the environment before triton is first imported, the kernels run in Triton's CPU
+interpreter on CPU tensors (the tests); the mode holds for the whole process.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def slot_attention_split(
+    Q, K, V, SLOTS, POS, OUT, PART_ACC, PART_M, PART_L,
+    M, T, S, CHUNK, NUM_SPLITS, scale_log2, window,
+    s_qb, s_qh, s_qm, s_qd,
+    s_kn, s_kh, s_kl, s_kd,
+    s_vn, s_vh, s_vl, s_vd,
+    s_pb, s_pt,
+    s_ob, s_oh, s_om, s_od,
+    HKV: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SINGLE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    split = tl.program_id(0)
+    bh = tl.program_id(1)
+    mb = tl.program_id(2)
+    b = bh // HKV
+    h = bh % HKV
+
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    m_valid = offs_m < M
+    d_valid = offs_d < HEAD_D
+
+    # Query row m = g*T + t has the absolute position pos[b, t]; padded rows (m >= M) get -1 (see nothing).
+    qpos = tl.load(POS + b * s_pb + (offs_m % T) * s_pt, mask=m_valid, other=-1).to(tl.int32)
+    q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd,
+                mask=m_valid[:, None] & d_valid[None, :], other=0.0)
+    slot = tl.load(SLOTS + b).to(tl.int64)  # int64: slot * slot stride may pass 2**31 elements
+    k_base = K + slot * s_kn + h * s_kh
+    v_base = V + slot * s_vn + h * s_vh
+
+    lo = split * CHUNK
+    hi = tl.minimum(lo + CHUNK, S)
+    hi = tl.minimum(hi, tl.max(qpos, axis=0) + 1)  # no key past the block's last query position
+    if HAS_WINDOW:
+        first = tl.min(tl.where(m_valid, qpos, 2147483647), axis=0) - window + 1
+        lo = tl.maximum(lo, first)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + offs_n0
+        n_valid = offs_n < hi
+        kt = tl.load(k_base + offs_n[None, :] * s_kl + offs_d[:, None] * s_kd,
+                     mask=n_valid[None, :] & d_valid[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N] float32
+        allowed = (offs_n[None, :] <= qpos[:, None]) & n_valid[None, :]
+        if HAS_WINDOW:
+            allowed = allowed & (offs_n[None, :] > qpos[:, None] - window)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: no NaN
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + offs_n[:, None] * s_vl + offs_d[None, :] * s_vd,
+                    mask=n_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if SINGLE:
+        y = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(OUT + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :] * s_od,
+                 y.to(OUT.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
+    else:
+        row = (bh * NUM_SPLITS + split) * M + offs_m  # partials: [B*Hkv, NUM_SPLITS, M] (+ [HEAD_D])
+        tl.store(PART_M + row, m_i, mask=m_valid)
+        tl.store(PART_L + row, l_i, mask=m_valid)
+        tl.store(PART_ACC + row[:, None] * HEAD_D + offs_d[None, :], acc, mask=m_valid[:, None] & d_valid[None, :])
+
+
+@triton.jit
+def slot_attention_combine(
+    OUT, PART_ACC, PART_M, PART_L,
+    M, NUM_SPLITS,
+    s_ob, s_oh, s_om, s_od,
+    HKV: tl.constexpr,
+    HEAD_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    bh = tl.program_id(0)
+    mb = tl.program_id(1)
+    b = bh // HKV
+    h = bh % HKV
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_valid = offs_m < M
+    d_valid = offs_d < HEAD_D
+
+    m_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for split in range(0, NUM_SPLITS):
+        row = (bh * NUM_SPLITS + split) * M + offs_m
+        m_max = tl.maximum(m_max, tl.load(PART_M + row, mask=m_valid, other=float("-inf")))
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for split in range(0, NUM_SPLITS):
+        row = (bh * NUM_SPLITS + split) * M + offs_m
+        w = tl.exp2(tl.load(PART_M + row, mask=m_valid, other=float("-inf")) - m_safe)  # empty split: 0
+        l_sum += w * tl.load(PART_L + row, mask=m_valid, other=0.0)
+        part = tl.load(PART_ACC + row[:, None] * HEAD_D + offs_d[None, :],
+                       mask=m_valid[:, None] & d_valid[None, :], other=0.0)
+        acc += w[:, None] * part
+    y = acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
+    tl.store(OUT + b * s_ob + h * s_oh + offs_m[:, None] * s_om + offs_d[None, :] * s_od,
+             y.to(OUT.dtype.element_ty), mask=m_valid[:, None] & d_valid[None, :])
+
+
+
+def interpreted() -> bool:
+    """Whether these kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 set before triton was
+    imported: the mode is fixed per process, at decoration time)."""
+    return not isinstance(slot_attention_split, triton.runtime.JITFunction)
+
+
+def _interpreter_scalar_index() -> None:
+    """Triton's interpreter (3.6) holds scalars as 1-element arrays and turns one into a loop bound with
+    `int(array)`, which NumPy >= 2.4 refuses for arrays of one dimension: the split kernel's data-dependent
+    key loop (`range(lo, hi, ...)`) needs `int(array.item())`. Interpreter mode only (tests, CPU)."""
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "scalar_index", False):
+        return
+
+    def patch(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patch.scalar_index = True
+    interpreter._patch_lang_tensor = patch
+
+
+if interpreted():
+    _interpreter_scalar_index()
