@@ -16,16 +16,20 @@ Static shapes, step by step:
   CPU tensor (the engine builds positions from its own lists), one deliberate sync when it lives on the device.
 - Queries of the G = n_heads / n_kv_heads heads that share a KV head are stacked along the query axis
   (`[B, Hkv, G*T, D]`), so attention reads each cached key once and needs no GQA expansion.
+- Attention (`pipeline.models.decode_attention`, `GraphConfig.attention`): on CUDA with triton installed, a
+  split-KV Triton kernel that reads each row's slot in place and stops at the row's last visible key
+  ('triton'); otherwise the row slots are gathered (`index_select`) and fed to masked SDPA ('sdpa').
 
 Weights: q/k/v and gate/up projections are fused into one matrix each (the eager runner's parameters become
 views into them, so no memory is duplicated). With `compile=True` (default on CUDA) the per-layer pointwise
-work (RMSNorm, RoPE, SiLU-gate, residuals) is fused by `torch.compile`; the cache write, the slot gather and
-attention stay eager ops inside the graph (no compiled code mutates the cache).
+work (RMSNorm, RoPE, SiLU-gate, residuals) is fused by `torch.compile`; the cache write and attention stay
+eager ops inside the graph (no compiled code mutates the cache).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -34,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.models.base import CausalLM
+from pipeline.models.decode_attention import resolve_attention, sdpa_mask, sdpa_slot_attention, triton_slot_attention
 from pipeline.models.llama import LlamaCausalLM, apply_rope
 
 log = logging.getLogger(__name__)
@@ -47,6 +52,9 @@ class GraphConfig:
     kv_block: int = 256  # keys are read in multiples of this many positions
     graphs: bool | None = None  # capture CUDA graphs; None: when the model is on a CUDA device
     compile: bool | None = None  # torch.compile the per-layer pointwise work; None: when on CUDA
+    # "triton": split-KV kernel reading the cache in place; "sdpa": slot gather + masked SDPA (the reference);
+    # "auto": triton on CUDA when it imports, else sdpa (pipeline.models.decode_attention)
+    attention: str = "auto"
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int | None:
@@ -184,6 +192,7 @@ class GraphCausalLM:
         use_compile = on_cuda if cfg.compile is None else cfg.compile
         if self.use_graphs and not on_cuda:
             raise ValueError(f"CUDA graphs need a CUDA model, this one is on {self.device}")
+        self.attention = resolve_attention(cfg.attention, self.device)
         self.stats = GraphStats()
         self._graphs: dict[tuple[int, int, int], _Graph] = {}
         self._pool = None
@@ -319,13 +328,9 @@ class GraphCausalLM:
         pos = positions[:, None] + self._arange[:T]  # [B, T]
         cos = self.runner._cos[pos].unsqueeze(2)  # [B, T, 1, D]
         sin = self.runner._sin[pos].unsqueeze(2)
-        key_pos = self._arange[:S]  # [S]
-        allowed = key_pos[None, None, :] <= pos[:, :, None]  # [B, T, S]
-        if a.sliding_window is not None:
-            allowed &= key_pos[None, None, :] > pos[:, :, None] - a.sliding_window
-        mask = torch.zeros(B, T, S, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
-        mask = mask[:, None, None].expand(B, 1, G, T, S).reshape(B, 1, G * T, S)  # query index g*T + t
+        scale = 1.0 / math.sqrt(D)  # SDPA's default
+        triton = self.attention == "triton"
+        mask = None if triton else sdpa_mask(pos, S, G, a.sliding_window, self.dtype)  # [B, 1, G*T, S]
         # Row of the flattened cache [num_slots * Hkv * L, D] that token (b, t), KV head j writes.
         rows = (slots[:, None, None] * Hkv + self._arange[:Hkv]) * L + pos[:, :, None]  # [B, T, Hkv]
         rows = rows.reshape(-1)
@@ -335,9 +340,10 @@ class GraphCausalLM:
             q, k, v = self._attn_in(x, w.attn_norm, w.wqkv, w.bqkv, cos, sin, a.norm_eps, a.n_heads, Hkv)
             k_cache.view(-1, D).index_copy_(0, rows, k)
             v_cache.view(-1, D).index_copy_(0, rows, v)
-            keys = k_cache[:, :, :S].index_select(0, slots)  # [B, Hkv, S, D]
-            values = v_cache[:, :, :S].index_select(0, slots)
-            y = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [B, Hkv, G*T, D]
+            if triton:
+                y = triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, a.sliding_window)
+            else:
+                y = sdpa_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, a.sliding_window, mask)
             x = self._attn_out_mlp(x, y, w.wo, w.bo, w.ffn_norm, w.w13, w.b13, w.w2, w.b2, a.norm_eps)
         m = self.runner.model
         out.copy_(final_logits(x, m.norm.weight, m.output.weight, a.norm_eps))
