@@ -1,0 +1,130 @@
+"""Cases of tests/test_decode_attention.py, run in a child process under Triton's CPU interpreter.
+
+Triton's interpreter mode is fixed per process when triton is first imported (TRITON_INTERPRET=1), and a
+process in that mode must never run the compiled kernels (the GPU tests of the same pytest run): so the test
+module runs this file as `TRITON_INTERPRET=1 python tests/_decode_attention_cases.py` and reads one JSON line.
+
+Each case compares `triton_slot_attention` with the reference (`sdpa_slot_attention` in float32 over the same,
+upcast inputs) on a cache with several slots: rows in arbitrary slot order, ragged positions, padding rows
+pointing at a scratch slot at position 0, T in {1, 5}, G in {1, 3, 4}, window on/off, S not a multiple of the
+chunk, forced split counts. The 'graph-*' cases run a tiny model's static path with attention='triton' against
+attention='sdpa' and the eager runner.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import replace
+
+# (id, dtype, D, G, T, S, window, num_splits, B): B rows, the last one a padding row on the scratch slot
+KERNEL_CASES = [
+    ("f32-D64-G4-T1", "float32", 64, 4, 1, 200, None, None, 4),
+    ("f32-D64-G4-T5", "float32", 64, 4, 5, 200, None, None, 4),
+    ("f32-D64-G1-T1-split1", "float32", 64, 1, 1, 200, None, 1, 3),
+    ("f32-D64-G3-T5-split4", "float32", 64, 3, 5, 333, None, 4, 4),
+    ("f32-D128-G4-T5-win", "float32", 128, 4, 5, 333, 37, None, 4),
+    ("f32-D128-G1-T1-win-split3", "float32", 128, 1, 1, 256, 50, 3, 3),
+    ("f32-D96-G3-T1", "float32", 96, 3, 1, 130, None, 2, 3),  # head_dim padded to 128
+    ("f32-D64-G8-T16", "float32", 64, 8, 16, 300, None, None, 2),  # 128 query rows: two query blocks
+    ("bf16-D128-G4-T1", "bfloat16", 128, 4, 1, 333, None, None, 4),
+    ("bf16-D128-G4-T5-win", "bfloat16", 128, 4, 5, 333, 64, None, 4),
+    ("bf16-D64-G3-T5-split1", "bfloat16", 64, 3, 5, 200, None, 1, 4),
+    ("f16-D64-G4-T5", "float16", 64, 4, 5, 256, None, None, 4),
+    ("f16-D128-G1-T1-win", "float16", 128, 1, 1, 200, 20, 4, 3),
+]
+GRAPH_CASES = ["graph-gqa", "graph-window"]
+# Max error relative to the largest output value. bf16: the interpreter rounds bf16 by truncation (the GPU to
+# nearest), so its error is about twice the reference's own bf16 error (seen: 0.6% of the largest value).
+TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 3e-3}
+
+
+def kernel_case(torch, da, dtype_name: str, D: int, G: int, T: int, S: int, window, num_splits, B: int) -> dict:
+    dtype = getattr(torch, dtype_name)
+    g = torch.Generator().manual_seed(D * 1000 + G * 100 + T * 10 + S)
+    num_slots, Hkv, max_len = 6, 2, S + 40  # the scratch slot is the last one
+    k_cache = torch.randn(num_slots, Hkv, max_len, D, generator=g).to(dtype)
+    v_cache = torch.randn(num_slots, Hkv, max_len, D, generator=g).to(dtype)
+    slots = torch.tensor([4, 0, 2, 1, 3][: B - 1] + [num_slots - 1])  # arbitrary order; last row: padding
+    top = S - T  # the longest row reads right up to S
+    starts = torch.tensor([top, 0, top // 3, 7, top - 1][: B - 1] + [0])
+    pos = starts[:, None] + torch.arange(T)  # [B, T]
+    q = torch.randn(B, G * T, Hkv, D, generator=g).to(dtype).transpose(1, 2)  # non-contiguous [B, Hkv, G*T, D]
+    scale = D ** -0.5
+    got = da.triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, window, num_splits=num_splits)
+    want = da.sdpa_slot_attention(q.float(), k_cache.float(), v_cache.float(), slots, pos, S, scale, window)
+    assert got.shape == want.shape and got.dtype == dtype, (got.shape, want.shape, got.dtype)
+    err = float((got.float() - want).abs().max() / want.abs().max())
+    # The reference itself in the low dtype: its own rounding error, for scale.
+    low = da.sdpa_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, window)
+    ref_err = float((low.float() - want).abs().max() / want.abs().max())
+    ok = bool(torch.isfinite(got).all())
+    if window is not None:  # the window is really exercised: without it the answer is far off
+        unwindowed = da.triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, None, num_splits=num_splits)
+        ok &= float((unwindowed.float() - want).abs().max() / want.abs().max()) > 10 * TOL[dtype_name]
+    return {"err": err, "ref_err": ref_err, "tol": TOL[dtype_name], "ok": ok}
+
+
+def graph_case(torch, name: str) -> dict:
+    from pipeline.models.graphs import GraphCausalLM, GraphConfig
+    from pipeline.models.shapes import SHAPES, random_llama
+
+    args = replace(SHAPES["llama-1b"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2 if name == "graph-gqa" else 4,
+                   head_dim=16, intermediate_size=128, vocab_size=128,
+                   sliding_window=6 if name == "graph-window" else None)
+    cfg = GraphConfig(graphs=False, compile=False, batch_buckets=(1, 2, 4), token_buckets=(1, 2, 4, 8), kv_block=16)
+    models = {
+        "triton": GraphCausalLM(random_llama(args, "cpu", torch.float32, seed=5), replace(cfg, attention="triton")),
+        "sdpa": GraphCausalLM(random_llama(args, "cpu", torch.float32, seed=5), replace(cfg, attention="sdpa")),
+        "eager": random_llama(args, "cpu", torch.float32, seed=5),
+    }
+    assert models["triton"].attention == "triton" and models["sdpa"].attention == "sdpa"
+    g = torch.Generator().manual_seed(0)
+    lengths = {0: 5, 1: 23, 3: 11}  # slot -> prefilled tokens
+    for m in models.values():
+        m.allocate(4, 64)
+    for slot, n in lengths.items():
+        prompt = torch.randint(0, 128, (1, n), generator=g)
+        for m in models.values():
+            m.forward(prompt, torch.tensor([0]), torch.tensor([slot]), n - 1)
+    err, argmax_equal = 0.0, True
+    for T in (1, 3, 5):
+        slots = torch.tensor([3, 0, 1])  # 3 rows -> bucket 4: one padding row on the scratch slot
+        tokens = torch.randint(0, 128, (3, T), generator=g)
+        positions = torch.tensor([lengths[int(s)] for s in slots])
+        out = {k: m.forward(tokens, positions, slots) for k, m in models.items()}
+        for ref in ("sdpa", "eager"):
+            err = max(err, float((out["triton"] - out[ref]).abs().max()))
+            argmax_equal &= bool(torch.equal(out["triton"].argmax(-1), out[ref].argmax(-1)))
+        lengths = {s: n + 1 for s, n in lengths.items()}  # roll back all but one fed token
+    assert models["triton"].stats.graph_calls >= 3
+    return {"err": err, "tol": 1e-4, "ok": argmax_equal}
+
+
+def main() -> int:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    import torch
+
+    from pipeline.models import decode_attention as da
+    from pipeline.models import decode_attention_triton as kern
+
+    assert kern.interpreted(), "triton was imported before TRITON_INTERPRET=1 took effect"
+    torch.set_num_threads(1)
+    results = {}
+    for case_id, *params in KERNEL_CASES:
+        try:
+            results[case_id] = kernel_case(torch, da, *params)
+        except Exception as e:  # noqa: BLE001 - reported per case
+            results[case_id] = {"error": f"{type(e).__name__}: {e}"}
+    for case_id in GRAPH_CASES:
+        try:
+            results[case_id] = graph_case(torch, case_id)
+        except Exception as e:  # noqa: BLE001
+            results[case_id] = {"error": f"{type(e).__name__}: {e}"}
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
