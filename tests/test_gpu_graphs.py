@@ -1,10 +1,13 @@
 """GPU checks of the captured path (skipped without CUDA): captured-graph logits against the eager runner
 (relative error within bf16 tolerance), replays that really read new inputs, no host sync inside a step,
-and greedy equivalence of batched speculative decoding on graphs with unbatched eager decoding."""
+and greedy equivalence of batched speculative decoding on graphs with unbatched eager decoding; each of the
+graph path's attention kernels ('triton': the split-KV kernel over the cache in place; 'sdpa': slot gather +
+SDPA) against the eager runner, with and without a sliding window."""
 
 from __future__ import annotations
 
 import copy
+import importlib.util
 from dataclasses import replace
 
 import pytest
@@ -22,6 +25,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 # 1B-shaped layers (GQA 32/8, head_dim 64), fewer of them and a smaller vocabulary: quick to build and capture.
 SMALL = replace(SHAPES["llama-1b"], n_layers=4, vocab_size=4096)
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+ATTENTIONS = [pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON, reason="needs triton")), "sdpa"]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -85,7 +90,69 @@ def test_no_host_sync_inside_a_step(runners):
     torch.cuda.synchronize()
 
 
-def test_greedy_speculative_on_graphs_equals_unbatched_eager_fp32():
+@pytest.fixture(scope="module", params=[None, 96], ids=["full", "window96"])
+def attention_runners(request):
+    """({attention: graph runner}, eager bf16 runner, float32 eager runner), all with the same weights."""
+    dev = torch.device("cuda")
+    shape = replace(SMALL, sliding_window=request.param)
+    kinds = ["sdpa"] + (["triton"] if HAS_TRITON else [])
+    graphs = {k: GraphCausalLM(random_llama(shape, dev, torch.bfloat16, seed=2), GraphConfig(compile=False, attention=k))
+              for k in kinds}
+    eager = random_llama(shape, dev, torch.bfloat16, seed=2)
+    ref32 = LlamaCausalLM(copy.deepcopy(eager.model).float(), eager.info)
+    for m in (*graphs.values(), eager, ref32):
+        m.allocate(8, 2048)
+    return graphs, eager, ref32
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_graph_attention_matches_eager(attention_runners, attention):
+    """Ragged rows (several key chunks, rows shorter than the bucket's S), verify-sized T up to the largest
+    token bucket (G*T = 64 query rows), padding rows and columns: the graph path with this attention is as
+    close to float32 as the bf16 eager path is, and replays read new inputs without a host sync."""
+    graphs, eager, ref32 = attention_runners
+    graph = graphs[attention]
+    assert graph.attention == attention
+    g = torch.Generator().manual_seed(1)
+    lengths = [1000, 17, 611, 64, 5, 1500, 255, 257]  # slot -> prefilled tokens
+    for slot, n in enumerate(lengths):
+        prompt = torch.randint(0, SMALL.vocab_size, (1, n), generator=g).cuda()
+        for m in (graph, eager, ref32):
+            m.forward(prompt, torch.tensor([0]), torch.tensor([slot]), n - 1)
+    agree_graph = agree_eager = total = 0
+    for B, T in [(1, 1), (1, 5), (3, 1), (3, 5), (6, 4), (8, 1), (2, 16)]:
+        for _ in range(2):  # first call captures, second replays
+            slots = torch.randperm(len(lengths), generator=g)[:B]
+            positions = torch.tensor([lengths[s] for s in slots])
+            tokens = torch.randint(0, SMALL.vocab_size, (B, T), generator=g).cuda()
+            got = graph.forward(tokens, positions, slots)
+            want = eager.forward(tokens, positions, slots)
+            exact = ref32.forward(tokens, positions, slots)
+            assert torch.isfinite(got).all()
+            assert _rel(got, want) < 3e-2, (attention, B, T, _rel(got, want))
+            assert _rel(got, exact) < 1.5 * _rel(want, exact) + 2e-3, (attention, B, T, _rel(got, exact), _rel(want, exact))
+            top = exact.argmax(-1)
+            agree_graph += int((got.argmax(-1) == top).sum())
+            agree_eager += int((want.argmax(-1) == top).sum())
+            total += top.numel()
+    assert agree_graph >= agree_eager - 0.05 * total, (attention, agree_graph, agree_eager, total)
+    assert graph.stats.captures >= 7 and graph.stats.host_syncs == 0
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graph.forward(tokens, positions, slots)  # a replay
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+def test_auto_attention_is_triton_on_cuda():
+    graph = GraphCausalLM(random_llama(replace(SMALL, n_layers=1), "cuda", torch.bfloat16), GraphConfig(compile=False))
+    assert graph.attention == ("triton" if HAS_TRITON else "sdpa")
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_greedy_speculative_on_graphs_equals_unbatched_eager_fp32(attention):
     dev = torch.device("cuda")
     tiny = replace(SMALL, n_layers=2, dim=256, n_heads=8, n_kv_heads=2, head_dim=32, intermediate_size=512, vocab_size=512)
     draft_shape = replace(tiny, n_layers=1)
@@ -97,11 +164,13 @@ def test_greedy_speculative_on_graphs_equals_unbatched_eager_fp32():
                                    EngineConfig(max_batch_size=1, max_seq_len=128, extra={"graphs": False}))
     ref = [ref_engine.generate(p, q, SpecParams(0)).token_ids for p, q in zip(prompts, params)]
 
-    target = random_llama(tiny, dev, torch.float32, seed=3)
-    drafter = ModelDrafter(random_llama(draft_shape, dev, torch.float32, seed=4))
+    cfg = GraphConfig(attention=attention)
+    target = GraphCausalLM(random_llama(tiny, dev, torch.float32, seed=3), cfg)
+    drafter = ModelDrafter(GraphCausalLM(random_llama(draft_shape, dev, torch.float32, seed=4), cfg))
     engine = SpeculativeEngine(target, None, drafter, EngineConfig(max_batch_size=3, max_seq_len=128),
                                k_policy=AdaptiveK(max_k=5, min_samples=1, explore_every=3))
     assert isinstance(engine.target, GraphCausalLM) and isinstance(drafter.model, GraphCausalLM)
+    assert engine.target.attention == drafter.model.attention == attention
     got = [r.token_ids for r in engine.generate_batch(prompts, params, SpecParams(5))]
     assert got == ref
     assert engine.target.stats.captures > 0 and engine.target.stats.graph_calls > engine.target.stats.eager_calls
