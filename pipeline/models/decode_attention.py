@@ -166,7 +166,8 @@ def triton_slot_attention(
         M, T, S, chunk, num_splits, scale * math.log2(math.e), window or 0,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *pos.stride(), *out.stride(),
         HKV=Hkv, HEAD_D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_WINDOW=window is not None,
-        SINGLE=single, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **launch,
+        SINGLE=single, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_IN_F32=q.dtype == torch.bfloat16 and kern.interpreted(), **launch,
     )
     if not single:
         kern.slot_attention_combine[(B * Hkv, m_blocks)](

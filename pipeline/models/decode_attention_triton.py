@@ -41,6 +41,7 @@ def slot_attention_split(
     HAS_WINDOW: tl.constexpr,
     SINGLE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOT_IN_F32: tl.constexpr,  # interpreter + bf16 only: Triton 3.6's interpreter multiplies bf16 as raw bits
 ):
     split = tl.program_id(0)
     bh = tl.program_id(1)
@@ -58,6 +59,8 @@ def slot_attention_split(
     qpos = tl.load(POS + b * s_pb + (offs_m % T) * s_pt, mask=m_valid, other=-1).to(tl.int32)
     q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd,
                 mask=m_valid[:, None] & d_valid[None, :], other=0.0)
+    if DOT_IN_F32:
+        q = q.to(tl.float32)
     slot = tl.load(SLOTS + b).to(tl.int64)  # int64: slot * slot stride may pass 2**31 elements
     k_base = K + slot * s_kn + h * s_kh
     v_base = V + slot * s_vn + h * s_vh
@@ -77,6 +80,8 @@ def slot_attention_split(
         n_valid = offs_n < hi
         kt = tl.load(k_base + offs_n[None, :] * s_kl + offs_d[:, None] * s_kd,
                      mask=n_valid[None, :] & d_valid[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+        if DOT_IN_F32:
+            kt = kt.to(tl.float32)
         s = tl.dot(q, kt, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N] float32
         allowed = (offs_n[None, :] <= qpos[:, None]) & n_valid[None, :]
         if HAS_WINDOW:
@@ -89,7 +94,10 @@ def slot_attention_split(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + offs_n[:, None] * s_vl + offs_d[None, :] * s_vd,
                     mask=n_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        p = p.to(V.dtype.element_ty)  # the P @ V product in the cache's dtype, as flash kernels do
+        if DOT_IN_F32:
+            p, v = p.to(tl.float32), v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     if SINGLE:
