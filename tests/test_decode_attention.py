@@ -100,3 +100,34 @@ def test_triton_kernel_matches_reference_in_the_interpreter(interpreted_results,
     r = interpreted_results[case]
     assert "error" not in r, r["error"]
     assert r["ok"] and r["err"] <= r["tol"], r
+
+
+def test_auto_attention_falls_back_to_sdpa_when_the_kernel_fails(caplog):
+    """A runner whose 'auto' attention resolved to Triton but whose kernel cannot run (here: CPU tensors outside
+    the interpreter, or no triton at all) answers with SDPA attention and says so; an explicit 'triton' raises."""
+    from dataclasses import replace
+
+    from pipeline.models.graphs import GraphCausalLM, GraphConfig
+    from pipeline.models.shapes import SHAPES, random_llama
+
+    args = replace(SHAPES["llama-1b"], dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16,
+                   intermediate_size=64, vocab_size=64)
+    cfg = GraphConfig(graphs=False, compile=False, batch_buckets=(1, 2), token_buckets=(1, 2), kv_block=16)
+    eager = random_llama(args, "cpu", torch.float32, seed=1)
+    eager.allocate(2, 32)
+    tokens, positions, slots = torch.tensor([[3, 5]]), torch.tensor([0]), torch.tensor([1])
+    want = eager.forward(tokens, positions, slots)
+
+    graph = GraphCausalLM(random_llama(args, "cpu", torch.float32, seed=1), cfg)
+    graph.allocate(2, 32)
+    graph.attention = "triton"  # as 'auto' resolves on CUDA with triton installed
+    with caplog.at_level("WARNING"):
+        got = graph.forward(tokens, positions, slots)
+    assert graph.attention == "sdpa" and "using SDPA attention" in caplog.text
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    explicit = GraphCausalLM(random_llama(args, "cpu", torch.float32, seed=1), replace(cfg, attention="sdpa"))
+    explicit.allocate(2, 32)
+    explicit.attention = "triton"  # config says 'sdpa', not 'auto': errors surface
+    with pytest.raises((RuntimeError, ImportError)):
+        explicit.forward(tokens, positions, slots)

@@ -273,7 +273,7 @@ class GraphCausalLM:
         slot_buf[:B].copy_(slots, non_blocking=True)
         entry = self._graphs.get(shape)
         if entry is None:
-            entry = self._graphs[shape] = self._capture(shape)
+            entry = self._graphs[shape] = self._capture_or_fall_back(shape)
         elif entry.graph is not None:
             entry.graph.replay()
         else:
@@ -285,6 +285,19 @@ class GraphCausalLM:
     __call__ = forward
 
     # -- capture -------------------------------------------------------------------------------------------
+    def _capture_or_fall_back(self, shape: tuple[int, int, int]) -> _Graph:
+        """`_capture`; with attention 'auto', a Triton kernel that fails to build or run (in the warm-up, before
+        any capture) switches this runner to the SDPA attention, said once, instead of failing the request."""
+        try:
+            return self._capture(shape)
+        except Exception:
+            if self.config.attention != "auto" or self.attention != "triton":
+                raise
+            log.warning("Triton slot attention failed for shape %s; using SDPA attention from now on", shape,
+                        exc_info=True)
+            self.attention = "sdpa"
+            return self._capture(shape)
+
     def _capture(self, shape: tuple[int, int, int]) -> _Graph:
         """Run the shape once (its result is this call's answer) and, on CUDA, capture it for replays."""
         Bb, Tb, Sb = shape
