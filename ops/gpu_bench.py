@@ -1,6 +1,7 @@
 """GPU benchmark of the decode path (issue 5), one command on the GPU machine, a table at the end.
 
     python3 ops/gpu_bench.py --part steps --out $OUT          # step latencies, floors, HF baselines
+    python3 ops/gpu_bench.py --part steps --attention triton,sdpa --out $OUT   # ours with each attention
     python3 ops/gpu_bench.py --part demo --gguf F.gguf --out $OUT   # the demo pair end to end
     specserve bench --gpu [same flags]                          # the same, through the CLI
 
@@ -9,6 +10,9 @@ time); then per model shape (random bf16 weights) and batch B, the latency of on
 T = K+1 tokens per row at context `--context`: this engine's graph runner (`pipeline.models.graphs`), the same
 model eager, Hugging Face eager (DynamicCache) and Hugging Face compiled (StaticCache +
 torch.compile(mode="reduce-overhead")). floor = (weights read once + KV read + KV written) / copy bandwidth.
+`--attention` lists the graph runner's attention variants to time (`GraphConfig.attention`: triton = the
+split-KV kernel reading the cache in place, sdpa = slot gather + SDPA, auto = triton where it imports): one
+table row, one profile and one set of checks per variant (checks of a variant past the first are suffixed).
 demo: the demo target and the default drafter (prompt lookup) end to end, greedy: this engine vs HF generate
 vs HF assisted generation with the same drafter (`specserve.bench.run_bench`); then 32 concurrent requests
 with speculation off, on at fixed K and on with the adaptive K policy: aggregate tokens/s.
@@ -33,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.models.graphs import GraphCausalLM, plan_shape  # noqa: E402
+from pipeline.models.graphs import GraphCausalLM, GraphConfig, plan_shape  # noqa: E402
 from pipeline.models.shapes import SHAPES, kv_bytes_per_token, random_llama, weight_bytes_read  # noqa: E402
 
 T0 = time.perf_counter()
@@ -92,10 +96,11 @@ def floor_ms(shape: str, B: int, T: int, context: int, bw_GBps: float) -> float:
     return bytes_ / (bw_GBps * 1e9) * 1e3
 
 
-def bench_ours(shape: str, batches: list[int], Ts: list[int], context: int, eager_batches: list[int]) -> list[dict]:
+def bench_ours(shape: str, batches: list[int], Ts: list[int], context: int, eager_batches: list[int],
+               attention: str = "auto") -> list[dict]:
     dev = torch.device("cuda")
     runner = random_llama(shape, dev, torch.bfloat16, seed=0)
-    graph = GraphCausalLM(runner)
+    graph = GraphCausalLM(runner, GraphConfig(attention=attention))
     graph.allocate(max(batches), context + 256)
     for c in runner.k_caches + runner.v_caches:
         c.normal_()
@@ -114,11 +119,12 @@ def bench_ours(shape: str, batches: list[int], Ts: list[int], context: int, eage
             key = plan_shape(B, T, context, graph.max_len, graph.config)
             replay = time_fn(graph._graphs[key].graph.replay)
             row = {"impl": "ours-graph", "model": shape, "B": B, "T": T, "ms": step["median_ms"], "p90_ms": step["p90_ms"],
-                   "replay_ms": replay["median_ms"], "bucket": key, "first_call_s": first_s}
+                   "replay_ms": replay["median_ms"], "bucket": key, "first_call_s": first_s,
+                   "attention": graph.attention}  # as resolved ('auto' -> triton | sdpa; sdpa after a fallback)
             if B in eager_batches:
                 row["eager_ms"] = time_fn(lambda: runner.forward(tokens, positions, slots), iters=10)["median_ms"]
             rows.append(row)
-            log(f"ours {shape} B={B} T={T}: {step['median_ms']:.3f} ms (replay {replay['median_ms']:.3f}, "
+            log(f"ours[{graph.attention}] {shape} B={B} T={T}: {step['median_ms']:.3f} ms (replay {replay['median_ms']:.3f}, "
                 f"eager {row.get('eager_ms', float('nan')):.2f}, first call {first_s:.1f} s)")
     del graph, runner
     free()
@@ -277,13 +283,13 @@ def hf_compiled_subprocess(args, shape: str, how: str, timeout_s: float) -> tupl
     return rows, err
 
 
-def profile_breakdown(shape: str, cases: list[tuple[int, int]], context: int) -> list[dict]:
+def profile_breakdown(shape: str, cases: list[tuple[int, int]], context: int, attention: str = "auto") -> list[dict]:
     """Per-kernel-class GPU time of one captured step (torch.profiler over graph replays)."""
     from torch.profiler import ProfilerActivity, profile
 
     dev = torch.device("cuda")
     runner = random_llama(shape, dev, torch.bfloat16, seed=0)
-    graph = GraphCausalLM(runner)
+    graph = GraphCausalLM(runner, GraphConfig(attention=attention))
     graph.allocate(max(b for b, _ in cases), context + 256)
     out = []
     for B, T in cases:
@@ -310,9 +316,10 @@ def profile_breakdown(shape: str, cases: list[tuple[int, int]], context: int) ->
             c = classes.setdefault(cls, [0.0, 0])
             c[0] += t / 1e3 / reps
             c[1] += e.count / reps
-        row = {"model": shape, "B": B, "T": T, "classes": {k: {"ms": v[0], "kernels": v[1]} for k, v in classes.items()}}
+        row = {"model": shape, "B": B, "T": T, "attention": graph.attention,
+               "classes": {k: {"ms": v[0], "kernels": v[1]} for k, v in classes.items()}}
         out.append(row)
-        log(f"profile {shape} B={B} T={T}: " + ", ".join(f"{k} {v[0]:.2f} ms/{v[1]:.0f} kernels" for k, v in
+        log(f"profile[{graph.attention}] {shape} B={B} T={T}: " + ", ".join(f"{k} {v[0]:.2f} ms/{v[1]:.0f} kernels" for k, v in
                                                          sorted(classes.items(), key=lambda kv: -kv[1][0])))
     del graph, runner
     free()
@@ -326,21 +333,25 @@ def run_steps(args, result: dict, save: Callable[[], None]) -> None:
     batches = [int(b) for b in args.batches.split(",")]
     Ts = [1, args.k + 1]
     rows = result.setdefault("rows", [])
+    attentions = result["attention_variants"] = [a.strip() for a in args.attention.split(",") if a.strip()]
     plan = [("llama-8b", batches, Ts), ("llama-1b", batches, Ts), ("llama-1b-v32k", [1], Ts)]
     for shape, bs, ts in plan:
+        for i, attention in enumerate(attentions):
+            try:  # the eager runner does not depend on the graph attention: timed with the first variant only
+                rows += bench_ours(shape, bs, ts, args.context, eager_batches=[1] if i == 0 else [], attention=attention)
+            except Exception:  # noqa: BLE001 - record and go on: the other numbers are still worth having
+                result.setdefault("errors", []).append(f"ours[{attention}] {shape}: {traceback.format_exc()}")
+                log(traceback.format_exc())
+            save()
+    result["profile"] = []
+    for attention in attentions:
         try:
-            rows += bench_ours(shape, bs, ts, args.context, eager_batches=[1])
-        except Exception:  # noqa: BLE001 - record and go on: the other numbers are still worth having
-            result.setdefault("errors", []).append(f"ours {shape}: {traceback.format_exc()}")
+            result["profile"] += profile_breakdown("llama-8b", [(1, 1), (16, 1), (32, 1)], args.context, attention)
+            result["profile"] += profile_breakdown("llama-1b", [(1, 1)], args.context, attention)
+        except Exception:  # noqa: BLE001
+            result.setdefault("errors", []).append(f"profile[{attention}]: {traceback.format_exc()}")
             log(traceback.format_exc())
         save()
-    try:
-        result["profile"] = profile_breakdown("llama-8b", [(1, 1), (16, 1), (32, 1)], args.context)
-        result["profile"] += profile_breakdown("llama-1b", [(1, 1)], args.context)
-    except Exception:  # noqa: BLE001
-        result.setdefault("errors", []).append(f"profile: {traceback.format_exc()}")
-        log(traceback.format_exc())
-    save()
     hf_batches = [int(b) for b in args.hf_batches.split(",")]
     for shape in ("llama-8b", "llama-1b"):
         try:
@@ -366,23 +377,32 @@ def run_steps(args, result: dict, save: Callable[[], None]) -> None:
         save()
     for r in rows:
         r["floor_ms"] = floor_ms(r["model"], r["B"], r["T"], args.context, bw["GBps"])
-    result["checks"] = checks(rows)
+    result["checks"] = []
+    for i, attention in enumerate(_attentions(rows)):
+        result["checks"] += checks(rows, attention, suffix="" if i == 0 else f" [{attention}]")
 
 
-def _ms(rows: list[dict], impl: str, model: str, B: int, T: int) -> float | None:
+def _attentions(rows: list[dict]) -> list[str]:
+    """The resolved attention variants of our rows, in the order they were run."""
+    return list(dict.fromkeys(r.get("attention") for r in rows if r["impl"] == "ours-graph"))
+
+
+def _ms(rows: list[dict], impl: str, model: str, B: int, T: int, attention: str | None = None) -> float | None:
     for r in rows:
-        if (r["impl"], r["model"], r["B"], r["T"]) == (impl, model, B, T):
+        if (r["impl"], r["model"], r["B"], r["T"]) == (impl, model, B, T) and (
+                attention is None or r.get("attention") == attention):
             return r["ms"]
     return None
 
 
-def checks(rows: list[dict]) -> list[dict]:
+def checks(rows: list[dict], attention: str | None = None, suffix: str = "") -> list[dict]:
     """The issue's step-latency targets, each with its measured value (None: not measured)."""
-    g = lambda m, B, T: _ms(rows, "ours-graph", m, B, T)  # noqa: E731
+    g = lambda m, B, T: _ms(rows, "ours-graph", m, B, T, attention)  # noqa: E731
     out = []
 
     def add(name: str, value: float | None, limit: float) -> None:
-        out.append({"check": name, "value": value, "limit": limit, "met": None if value is None else value <= limit})
+        out.append({"check": name + suffix, "value": value, "limit": limit,
+                    "met": None if value is None else value <= limit})
 
     d1, d5 = g("llama-8b", 1, 1), g("llama-8b", 1, 5)
     fl = next((r["floor_ms"] for r in rows if (r["model"], r["B"], r["T"]) == ("llama-8b", 1, 1)), None)
@@ -399,19 +419,26 @@ def checks(rows: list[dict]) -> list[dict]:
 def steps_table(result: dict) -> str:
     rows = result.get("rows", [])
     lines = [f"card: {result['card']}; copy bandwidth {result['copy']['GBps']:.0f} GB/s; context {result['context']}",
-             "| model | B | T | ours graph ms | floor ms | x floor | ours eager ms | HF eager ms | HF compiled ms |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    keys = sorted({(r["model"], r["B"], r["T"]) for r in rows}, key=lambda k: (list(SHAPES).index(k[0]), k[1], k[2]))
+             "| model | B | T | attention | ours graph ms | floor ms | x floor | ours eager ms | HF eager ms | HF compiled ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    order = {a: i for i, a in enumerate(_attentions(rows))}
+    # One row per (model, B, T) and attention variant of ours; HF-only shapes get one row (attention '-').
+    keys = {(r["model"], r["B"], r["T"], r.get("attention") if r["impl"] == "ours-graph" else None) for r in rows}
+    keys = {k for k in keys if k[3] is not None or not any(o[:3] == k[:3] and o[3] is not None for o in keys)}
+    keys = sorted(keys, key=lambda k: (list(SHAPES).index(k[0]), k[1], k[2], order.get(k[3], -1)))
     f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
-    for m, B, T in keys:
-        ours = _ms(rows, "ours-graph", m, B, T)
+    for m, B, T, att in keys:
+        ours = _ms(rows, "ours-graph", m, B, T, att) if att is not None else None
         fl = next((r["floor_ms"] for r in rows if (r["model"], r["B"], r["T"]) == (m, B, T)), None)
-        eager = next((r.get("eager_ms") for r in rows if (r["impl"], r["model"], r["B"], r["T"]) == ("ours-graph", m, B, T)), None)
-        lines.append(f"| {m} | {B} | {T} | {f(ours, 3)} | {f(fl, 3)} | {f(ours / fl if ours and fl else None)} | "
-                     f"{f(eager)} | {f(_ms(rows, 'hf-eager', m, B, T))} | {f(_ms(rows, 'hf-compiled', m, B, T))} |")
+        eager = next((r["eager_ms"] for r in rows if (r["impl"], r["model"], r["B"], r["T"]) == ("ours-graph", m, B, T)
+                      and "eager_ms" in r), None)
+        lines.append(f"| {m} | {B} | {T} | {att or '-'} | {f(ours, 3)} | {f(fl, 3)} | "
+                     f"{f(ours / fl if ours and fl else None)} | {f(eager)} | {f(_ms(rows, 'hf-eager', m, B, T))} | "
+                     f"{f(_ms(rows, 'hf-compiled', m, B, T))} |")
     lines.append("")
     for p in result.get("profile", []):
-        lines.append(f"- GPU time of one captured step, {p['model']} B={p['B']} T={p['T']}: " + ", ".join(
+        lines.append(f"- GPU time of one captured step, {p['model']} B={p['B']} T={p['T']} "
+                     f"[{p.get('attention', '-')}]: " + ", ".join(
             f"{k} {v['ms']:.2f} ms ({v['kernels']:.0f} kernels)" for k, v in sorted(p["classes"].items(), key=lambda kv: -kv[1]["ms"])))
     for c in result.get("checks", []):
         state = "not measured" if c["met"] is None else ("MET" if c["met"] else "MISSED")
@@ -520,6 +547,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=512, help="KV positions already in the cache per row")
     p.add_argument("-k", type=int, default=4, help="draft tokens: verify steps feed K+1 tokens")
     p.add_argument("--batches", default="1,8,16,32")
+    p.add_argument("--attention", default="auto",
+                   help="(steps part) comma-separated graph attention variants to time: auto, triton, sdpa "
+                        "(e.g. triton,sdpa: before/after in one run; the first one's checks keep their names)")
     p.add_argument("--hf-batches", default="1,8,32")
     p.add_argument("--budget-s", type=float, default=480.0, help="skip optional HF compiled runs past this")
     p.add_argument("--gguf", default=None,
