@@ -112,6 +112,22 @@ def plan_splits(S: int, programs: int, block_n: int, sm_count: int, min_chunk: i
     return -(-S // chunk), chunk
 
 
+def launch_plan(B: int, Hkv: int, M: int, D: int, S: int, device: torch.device, num_splits: int | None = None,
+                block_n: int | None = None) -> dict[str, int]:
+    """Block sizes, key chunk and number of splits of `triton_slot_attention` for these shapes (host-only)."""
+    block_d = max(16, _pow2(D))
+    block_m = min(64, max(16, _pow2(M)))  # tl.dot needs >= 16 rows
+    block_n = block_n or (64 if block_d <= 128 else 32)
+    m_blocks = -(-M // block_m)
+    if num_splits is None:
+        num_splits, chunk = plan_splits(S, B * Hkv * m_blocks, block_n, _sm_count(device))
+    else:
+        chunk = -(-(-(-S // num_splits)) // block_n) * block_n
+        num_splits = -(-S // chunk)
+    return {"BLOCK_D": block_d, "BLOCK_M": block_m, "BLOCK_N": block_n, "m_blocks": m_blocks,
+            "num_splits": num_splits, "chunk": chunk}
+
+
 def triton_slot_attention(
     q: torch.Tensor,  # [B, Hkv, G*T, D]
     k_cache: torch.Tensor,  # [num_slots, Hkv, max_len, D]
@@ -140,15 +156,9 @@ def triton_slot_attention(
         raise RuntimeError("triton_slot_attention on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
                            "before triton is first imported")
 
-    BLOCK_D = max(16, _pow2(D))
-    BLOCK_M = min(64, max(16, _pow2(M)))  # tl.dot needs >= 16 rows
-    BLOCK_N = block_n or (64 if BLOCK_D <= 128 else 32)
-    m_blocks = -(-M // BLOCK_M)
-    if num_splits is None:
-        num_splits, chunk = plan_splits(S, B * Hkv * m_blocks, BLOCK_N, _sm_count(q.device))
-    else:
-        chunk = -(-(-(-S // num_splits)) // BLOCK_N) * BLOCK_N
-        num_splits = -(-S // chunk)
+    plan = launch_plan(B, Hkv, M, D, S, q.device, num_splits, block_n)
+    BLOCK_D, BLOCK_M, BLOCK_N, m_blocks = plan["BLOCK_D"], plan["BLOCK_M"], plan["BLOCK_N"], plan["m_blocks"]
+    num_splits, chunk = plan["num_splits"], plan["chunk"]
     warps = num_warps or (8 if BLOCK_M * BLOCK_D >= 64 * 128 else 4)
     stages = num_stages or 2
     single = num_splits == 1
