@@ -41,6 +41,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen-batch-tokens", type=int, default=1 << 20, help="rows x (prompt + new tokens) per generate call")
     p.add_argument("--gen-max-batch", type=int, default=1024, help="rows per generate call")
     p.add_argument("--chunk-prompts", type=int, default=4096, help="prompts per data shard")
+    p.add_argument("--gen-backend", default="runner", choices=("runner", "hf"),
+                   help="runner: this project's runner, continuous batching (default); hf: transformers generate")
+    p.add_argument("--gen-rows", type=int, default=512, help="runner: requests decoding together")
+    p.add_argument("--gen-refill", type=int, default=0, help="runner: refill once this many slots are free (0: rows/8)")
+    p.add_argument("--gen-graphs", default="auto", choices=("auto", "on", "off"),
+                   help="runner: captured static decoding steps (auto: on CUDA)")
+    p.add_argument("--gen-compile", default="auto", choices=("auto", "on", "off"),
+                   help="runner: torch.compile inside the static step (auto: on CUDA)")
+    p.add_argument("--gen-attention", default="auto", choices=("auto", "triton", "sdpa"),
+                   help="runner: attention of the static step")
+    p.add_argument("--wall-seconds", type=float, default=None,
+                   help="finish the whole run within this many seconds (data and training budgets shrink to fit)")
+    p.add_argument("--wall-reserve", type=float, default=30.0, help="seconds kept for the final evaluation and export")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--train-seconds", type=float, default=None, help="fit the step count to this budget instead")
     p.add_argument("--batch-tokens", type=int, default=65536)
@@ -58,6 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default: bfloat16 on GPU, float32 on CPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the metrics as JSON at the end")
+
+
+def _tristate(v: str) -> bool | None:
+    return {"auto": None, "on": True, "off": False}[v]
 
 
 def config_from_args(args: argparse.Namespace):  # -> DistillConfig
@@ -78,6 +95,9 @@ def config_from_args(args: argparse.Namespace):  # -> DistillConfig
         max_seq_len=args.max_seq_len, lr=args.lr, warmup_steps=args.warmup_steps, prompt_weight=args.prompt_weight,
         eval_every=args.eval_every, ckpt_every=args.ckpt_every, eval_k=args.eval_k,
         eval_max_new_tokens=args.eval_max_new_tokens, device=device, dtype=dtype, eval_dtype="float32", seed=args.seed,
+        gen_backend=args.gen_backend, gen_rows=args.gen_rows, gen_refill=args.gen_refill,
+        gen_graphs=_tristate(args.gen_graphs), gen_compile=_tristate(args.gen_compile), gen_attention=args.gen_attention,
+        wall_seconds=args.wall_seconds, wall_reserve=args.wall_reserve,
     )
 
 

@@ -230,8 +230,151 @@ def test_cli_registers_distill_with_its_flags():
     args = parser.parse_args(["distill", "--out", "x", "--layers", "1,2,4", "--draft-vocab", "4096", "--device", "cpu"])
     cfg = config_from_args(args)
     assert cfg.layers == (1, 2, 4) and cfg.draft_vocab == 4096 and cfg.dtype == "float32"
+    assert cfg.gen_backend == "runner" and cfg.gen_graphs is None and cfg.wall_seconds is None
+    args = parser.parse_args(["distill", "--out", "x", "--gen-backend", "hf", "--gen-rows", "256", "--gen-graphs", "off",
+                              "--gen-attention", "sdpa", "--wall-seconds", "500", "--device", "cpu"])
+    cfg = config_from_args(args)
+    assert (cfg.gen_backend, cfg.gen_rows, cfg.gen_graphs, cfg.gen_attention, cfg.wall_seconds) == ("hf", 256, False, "sdpa", 500)
     with pytest.raises(SystemExit):
         parser.parse_args(["distill", "--out", "x", "--layers", "two"])
+
+
+# ---- the runner backend: continuous batching on this project's runner (fastgen.py) ----------------
+
+@pytest.fixture(scope="module")
+def gen_target(tmp_path_factory):
+    """A tiny random target, its HF model, ragged prompts, and EOS ids that end some answers early."""
+    import random
+
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.distill.generate import generate_answers
+    from pipeline.models.testing import make_tiny_llama
+
+    path = make_tiny_llama(tmp_path_factory.mktemp("gen") / "t", vocab_size=96, hidden=32, layers=2, heads=4,
+                           kv_heads=2, tie=True, max_position_embeddings=256, seed=5)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 96) for _ in range(rng.randint(1, 30))] for _ in range(13)]
+    free = generate_answers(hf, prompts, max_new_tokens=16, temperature=0.0, eos_ids=[2], pad_id=0,
+                            batch_tokens=1 << 20, max_batch=64, seed=0)
+    counts = np.bincount([t for a in free for t in a], minlength=96)
+    eos = [2, int(np.argsort(-counts, kind="stable")[2])]  # a frequent token as a second EOS
+    return path, hf, prompts, eos
+
+
+def _runner_gen(path, rows, graphs=False, refill_min=None, max_len=96):
+    from pipeline.distill.fastgen import RunnerGenerator
+    from pipeline.models.loader import load_model
+
+    runner, _ = load_model(path)
+    return RunnerGenerator.wrap(runner, rows=rows, max_len=max_len, graphs=graphs, compile=False, refill_min=refill_min)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static"])
+def test_runner_backend_greedy_equals_hf_generate(gen_target, graphs):
+    """13 ragged prompts (1-30 tokens) through 4 or 5 rows: rows end at EOS or max_new_tokens and are refilled
+    (one at a time, or once 3 are free); the answers are HF generate(do_sample=False)'s."""
+    from pipeline.distill.fastgen import Job
+    from pipeline.distill.generate import generate_answers
+
+    path, hf, prompts, eos = gen_target
+    ref = generate_answers(hf, prompts, max_new_tokens=16, temperature=0.0, eos_ids=eos, pad_id=0,
+                           batch_tokens=1 << 20, max_batch=64, seed=0)
+    lengths = [len(a) for a in ref]
+    assert min(lengths) < 16 and max(lengths) == 16 and any(a[-1] == eos[1] for a in ref)  # both endings occur
+    for rows, refill in ((4, 1), (5, 3)):
+        gen = _runner_gen(path, rows, graphs=graphs, refill_min=refill)
+        out = gen.answers([Job(p, 0.0, 0) for p in prompts], max_new_tokens=16, eos_ids=eos)
+        assert out == ref, (rows, refill)
+        st = gen.stats[-1]
+        assert st["jobs"] == len(prompts) and st["prefill_calls"] > 1 and st["decode_tokens"] == sum(lengths)
+        assert st["steps"] < sum(lengths)  # rows decoded together
+
+
+def test_runner_backend_sampling_is_seeded_and_follows_the_warped_target(gen_target):
+    """Sampled answers are a function of (seed, logits) only: the same with 3 or 7 rows; other seeds differ;
+    the first token is the inverse-CDF draw from softmax(logits / T) with the job's counter-based uniform."""
+    from pipeline.distill.fastgen import Job, job_seed
+    from pipeline.rng import Stream, uniform
+    from pipeline.sampling import sample_from_probs
+
+    path, hf, prompts, eos = gen_target
+    jobs = [Job(p, 0.7, job_seed(11, i, 0)) for i, p in enumerate(prompts)]
+    a3 = _runner_gen(path, 3).answers(jobs, max_new_tokens=12, eos_ids=eos)
+    a7 = _runner_gen(path, 7, refill_min=1).answers(jobs, max_new_tokens=12, eos_ids=eos)
+    assert a3 == a7
+    other = _runner_gen(path, 3).answers([Job(j.ids, 0.7, j.seed + 1) for j in jobs], max_new_tokens=12, eos_ids=eos)
+    assert other != a3
+    greedy = _runner_gen(path, 3).answers([Job(j.ids, 0.0, j.seed) for j in jobs], max_new_tokens=12, eos_ids=eos)
+    assert greedy != a3
+    with torch.no_grad():
+        for j, a in zip(jobs, a3):
+            logits = hf(input_ids=torch.tensor([j.ids])).logits[0, -1].float()
+            u = uniform(torch.tensor([j.seed]), torch.tensor([0]), Stream.TARGET, 1)[:, 0]
+            assert a[0] == int(sample_from_probs(torch.softmax(logits / 0.7, -1)[None], u)[0])
+
+
+def test_runner_chunk_keeps_the_data_semantics_of_the_hf_path(gen_target):
+    """generate_chunk on the runner: the same SampleSet as the HF path when greedy (first turns, then
+    follow-ups asked after the target's own answer), the same seeded greedy/sampled split, reproducible."""
+    from pipeline.distill.generate import generate_chunk
+    from pipeline.distill.prompts import synthetic_prompts
+
+    path, hf, _, eos = gen_target
+    prompts = synthetic_prompts(10, 96, seed=4, special=[2])  # every 4th has a follow-up
+    kw = dict(sample_temperature=0.7, max_new_tokens=10, eos_ids=eos, pad_id=0, batch_tokens=1 << 20, max_batch=64)
+    gen = _runner_gen(path, 4)
+    a = generate_chunk(hf, prompts, seed=3, sample_fraction=0.0, **kw)
+    b = generate_chunk(gen, prompts, seed=3, sample_fraction=0.0, **kw)
+    assert len(b) == 10 + 3
+    for f in ("ids", "offsets", "prompt_lens", "category", "sampled"):
+        assert np.array_equal(getattr(a, f), getattr(b, f)), f
+    a = generate_chunk(hf, prompts, seed=3, sample_fraction=0.5, **kw)
+    b = generate_chunk(gen, prompts, seed=3, sample_fraction=0.5, **kw)
+    assert np.array_equal(a.sampled, b.sampled) and 0 < b.sampled.sum() < len(b)
+    greedy = [i for i in range(len(a)) if not a.sampled[i]]
+    assert all(np.array_equal(a.seq(i), b.seq(i)) for i in greedy)
+    again = generate_chunk(_runner_gen(path, 6), prompts, seed=3, sample_fraction=0.5, **kw)
+    assert np.array_equal(again.ids, b.ids) and np.array_equal(again.offsets, b.offsets)
+
+
+def test_runner_dataset_streams_chunks_into_resumable_shards(gen_target, tmp_path):
+    """One stream over the chunks: each shard is what generate_chunk gives for that chunk, a rerun reuses the
+    shards, and a token budget keeps the shards a rerun would load."""
+    from pipeline.distill.generate import SampleSet, generate_chunk, generate_dataset
+    from pipeline.distill.prompts import synthetic_prompts
+
+    path, _, _, eos = gen_target
+    prompts = synthetic_prompts(17, 96, seed=6, special=[2])
+    kw = dict(sample_fraction=0.5, sample_temperature=0.7, max_new_tokens=8, eos_ids=eos, pad_id=0,
+              batch_tokens=1 << 20, max_batch=64)
+    data = generate_dataset(_runner_gen(path, 4), prompts, tmp_path / "d", chunk_prompts=5, token_budget=10**9,
+                            seconds_budget=None, seed=2, progress=lambda m: None, **kw)
+    shards = sorted((tmp_path / "d").glob("shard_*.npz"))
+    assert len(shards) == 4 and len(data) == sum(len(SampleSet.load(s)) for s in shards)
+    for c, s in enumerate(shards):
+        one = generate_chunk(_runner_gen(path, 3), prompts[5 * c : 5 * c + 5], seed=2 + c, **kw)
+        assert np.array_equal(SampleSet.load(s).ids, one.ids), c
+    stamps = [s.stat().st_mtime_ns for s in shards]
+    again = generate_dataset(_runner_gen(path, 4), prompts, tmp_path / "d", chunk_prompts=5, token_budget=10**9,
+                             seconds_budget=0.0, seed=2, progress=lambda m: None, **kw)
+    assert [s.stat().st_mtime_ns for s in shards] == stamps and np.array_equal(again.ids, data.ids)
+    first = SampleSet.load(shards[0]).response_tokens
+    small = generate_dataset(_runner_gen(path, 4), prompts, tmp_path / "d", chunk_prompts=5, token_budget=first,
+                             seconds_budget=None, seed=2, progress=lambda m: None, **kw)
+    assert small.response_tokens == first
+    with pytest.raises(RuntimeError, match="no distillation data"):
+        generate_dataset(_runner_gen(path, 4), prompts, tmp_path / "e", chunk_prompts=5, token_budget=10**9,
+                         seconds_budget=0.0, seed=2, progress=lambda m: None, **kw)
+
+
+def test_runner_self_check_compares_the_static_step_with_the_eager_runner(gen_target):
+    path, _, prompts, _ = gen_target
+    gen = _runner_gen(path, 4, graphs=True)
+    check = gen.self_check([list(range(3, 60))] * 3, length=16)
+    assert check["ok"] and check["checked"] == 3 and check["rel_err"] < 1e-4 and check["argmax_agree"] == 1.0
+    assert _runner_gen(path, 4).self_check(prompts)["static"] is False
 
 
 # ---- the shipped drafter -------------------------------------------------------------------------

@@ -34,6 +34,19 @@ class DistillConfig:
     gen_max_batch: int = 1024
     chunk_prompts: int = 4096  # prompts per data shard (the unit of resumption)
     max_prompt_tokens: int = 1536  # longer prompts are dropped
+    # Generation backend. "runner": this project's runner with continuous batching (pipeline/distill/fastgen.py;
+    # the evaluation references use its eager path in eval_dtype); "hf": transformers' batched generate (the
+    # two gen_batch_tokens / gen_max_batch settings above apply to it only).
+    gen_backend: str = "runner"
+    gen_rows: int = 512  # runner: requests decoding together (one KV-cache slot each)
+    gen_refill: int = 0  # runner: refill free slots once this many are free (0: gen_rows // 8)
+    gen_graphs: bool | None = None  # runner: captured static decoding steps (GraphCausalLM); None: on CUDA
+    gen_compile: bool | None = None  # runner: torch.compile inside the static step; None: on CUDA
+    gen_attention: str = "auto"  # runner, static step: "auto" | "triton" | "sdpa" (GraphConfig.attention)
+    # Wall-clock limit for the whole run (seconds from the start of distill()): the data and training budgets
+    # shrink to fit, keeping `wall_reserve` seconds for the final evaluation and export.
+    wall_seconds: float | None = None
+    wall_reserve: float = 30.0
 
     # Training.
     steps: int = 2000
@@ -74,6 +87,10 @@ class DistillConfig:
             raise ValueError(f"draft_vocab must be >= 0, got {self.draft_vocab}")
         if not 0.0 <= self.sample_fraction <= 1.0:
             raise ValueError(f"sample_fraction must be in [0, 1], got {self.sample_fraction}")
+        if self.gen_backend not in ("runner", "hf"):
+            raise ValueError(f"gen_backend must be runner or hf, got {self.gen_backend!r}")
+        if self.gen_rows < 1:
+            raise ValueError(f"gen_rows must be >= 1, got {self.gen_rows}")
         if self.batch_tokens < self.max_seq_len:
             raise ValueError(f"batch_tokens ({self.batch_tokens}) must be >= max_seq_len ({self.max_seq_len})")
 

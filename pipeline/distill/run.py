@@ -14,6 +14,7 @@ checkpoint, and the export is redone.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import random
 import sys
@@ -57,6 +58,37 @@ def _references(model: Any, prompts: list[Prompt], path: Path, *, temperature: f
     return s
 
 
+def _runner_generator(cfg: DistillConfig, folder: Path, device: torch.device, max_len: int,
+                      probe: list[list[int]], say: Callable[[str], None]) -> Any:
+    """The runner backend for the training data, checked before use: the configured static step, then (on CUDA)
+    the static step with SDPA attention and without torch.compile, then the eager runner. Each must agree
+    with the eager runner on one decoding step over real prompts (`RunnerGenerator.self_check`)."""
+    from pipeline.distill.fastgen import RunnerGenerator
+
+    tries = [dict(graphs=cfg.gen_graphs, compile=cfg.gen_compile, attention=cfg.gen_attention)]
+    if device.type == "cuda" and cfg.gen_graphs is not False:
+        tries += [dict(graphs=True, compile=False, attention="sdpa"), dict(graphs=False, compile=False, attention="sdpa")]
+    last: Exception | None = None
+    for kw in tries:
+        gen = None
+        try:
+            t0 = time.perf_counter()
+            gen = RunnerGenerator.load(folder, device, cfg.dtype, rows=cfg.gen_rows, max_len=max_len,
+                                       refill_min=cfg.gen_refill or None, **kw)
+            check = gen.self_check(probe)
+            say(f"generation backend: runner {kw}, {cfg.gen_rows} rows x {gen.max_len} positions, static step "
+                f"{'on' if gen.static else 'off'}; check against the eager runner {check} ({time.perf_counter() - t0:.1f} s)")
+            if check["ok"]:
+                return gen
+            last = RuntimeError(f"static step disagrees with the eager runner: {check}")
+        except Exception as e:  # noqa: BLE001 - fall back to a simpler path and say why
+            last = e
+            say(f"generation backend runner {kw} failed: {e!r}")
+        if gen is not None:
+            gen.release()
+    raise RuntimeError(f"no usable runner backend: {last!r}")
+
+
 def distill(cfg: DistillConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     say = progress or (lambda msg: print(msg, file=sys.stderr, flush=True))
     t_start = time.perf_counter()
@@ -68,9 +100,18 @@ def distill(cfg: DistillConfig, progress: Callable[[str], None] | None = None) -
     device = torch.device(cfg.device)
     torch.manual_seed(cfg.seed)
 
+    def left() -> float:  # seconds left of the wall-clock limit
+        return cfg.wall_seconds - (time.perf_counter() - t_start) if cfg.wall_seconds else float("inf")
+
     # 1. Target and prompts.
     pretokenized = all(p is None or str(p).endswith(".npz") for p in (cfg.prompts, cfg.eval_prompts))
-    target, tokenizer, src = load_target(cfg.target, device, cfg.dtype, need_tokenizer=not pretokenized)
+    runner_backend = cfg.gen_backend == "runner"
+    target_path = cfg.target
+    if runner_backend:  # the runner reads safetensors folders: a .gguf is converted once (pipeline.models.store)
+        from pipeline.models.store import resolve
+
+        target_path = str(resolve(cfg.target))
+    target, tokenizer, src = load_target(target_path, device, cfg.dtype, need_tokenizer=not pretokenized)
     eos = eos_token_ids(target, tokenizer, src)
     pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else eos[0]
     vocab_size = target.config.vocab_size
@@ -91,37 +132,73 @@ def distill(cfg: DistillConfig, progress: Callable[[str], None] | None = None) -
 
     # 2. Reference answers for evaluation (never trained on).
     t0 = time.perf_counter()
-    ref_model = target if cfg.eval_dtype == cfg.dtype else copy.deepcopy(target).to(DTYPES[cfg.eval_dtype])
+    bench = []
+    if cfg.eval_prompts:
+        bench = [p for p in load_eval_prompts(cfg.eval_prompts, tokenizer) if len(p.ids) <= cfg.max_prompt_tokens * 4]
+    ref_files = [work / "eval_heldout_greedy.npz"] * bool(heldout) + [
+        work / "eval_bench_greedy.npz", work / f"eval_bench_t{cfg.eval_temperature:g}.npz"] * bool(bench)
+    if runner_backend and not all(f.exists() for f in ref_files):
+        # The references on the runner's eager path (the reference implementation) in eval_dtype.
+        from pipeline.distill.fastgen import RunnerGenerator, max_job_len
+
+        ref_len = max_job_len(list(heldout) + bench, cfg.eval_max_new_tokens)
+        ref_model = RunnerGenerator.load(src, device, cfg.eval_dtype, rows=min(cfg.gen_rows, 128), max_len=ref_len,
+                                         graphs=False)
+    elif runner_backend:
+        ref_model = None  # every reference is cached
+    else:
+        ref_model = target if cfg.eval_dtype == cfg.dtype else copy.deepcopy(target).to(DTYPES[cfg.eval_dtype])
     eval_sets: dict[str, tuple[SampleSet, float]] = {}
     kw = dict(cfg=cfg, eos=eos, pad=pad)
     if heldout:
         eval_sets["heldout_greedy"] = (_references(ref_model, heldout, work / "eval_heldout_greedy.npz",
                                                    temperature=0.0, seed=cfg.seed + 101, **kw), 0.0)
-    if cfg.eval_prompts:
-        bench = [p for p in load_eval_prompts(cfg.eval_prompts, tokenizer) if len(p.ids) <= cfg.max_prompt_tokens * 4]
+    if bench:
         eval_sets["bench_greedy"] = (_references(ref_model, bench, work / "eval_bench_greedy.npz", temperature=0.0,
                                                  seed=cfg.seed + 202, **kw), 0.0)
         t = cfg.eval_temperature
         eval_sets[f"bench_t{t:g}"] = (_references(ref_model, bench, work / f"eval_bench_t{t:g}.npz", temperature=t,
                                                   seed=cfg.seed + 303, **kw), t)
+    if hasattr(ref_model, "release"):
+        ref_model.release()
     if ref_model is not target:
         del ref_model
     timings["eval_refs_s"] = time.perf_counter() - t0
 
     # 3. Distillation data: the target's answers.
     t0 = time.perf_counter()
+    gen_seconds = cfg.gen_seconds
+    if cfg.wall_seconds:  # leave the training budget and the reserve (plus ~15 s for the last chunk to drain)
+        fit = max(0.0, left() - (cfg.train_seconds or 0.0) - cfg.wall_reserve - 15.0)
+        gen_seconds = fit if gen_seconds is None else min(gen_seconds, fit)
+        say(f"wall clock: {left():.0f} s left; data budget {gen_seconds:.0f} s, training {cfg.train_seconds} s")
+    gen_model: Any = target
+    gen_stats: list = []
+    if runner_backend:
+        from pipeline.distill.fastgen import max_job_len
+
+        probe = [p.ids for p in train_prompts[: cfg.gen_rows]]
+        gen_model = _runner_generator(cfg, src, device, max_job_len(train_prompts, cfg.max_new_tokens), probe, say)
+        timings["gen_setup_s"] = time.perf_counter() - t0
+        if gen_seconds is not None:  # the setup (load, compile, check) counts against the data budget
+            gen_seconds = max(0.0, gen_seconds - timings["gen_setup_s"])
     data = generate_dataset(
-        target, train_prompts, work / "data", chunk_prompts=cfg.chunk_prompts, token_budget=cfg.gen_tokens,
-        seconds_budget=cfg.gen_seconds, seed=cfg.seed, progress=say, sample_fraction=cfg.sample_fraction,
+        gen_model, train_prompts, work / "data", chunk_prompts=cfg.chunk_prompts, token_budget=cfg.gen_tokens,
+        seconds_budget=gen_seconds, seed=cfg.seed, progress=say, sample_fraction=cfg.sample_fraction,
         sample_temperature=cfg.sample_temperature, max_new_tokens=cfg.max_new_tokens, eos_ids=eos, pad_id=pad,
         batch_tokens=cfg.gen_batch_tokens, max_batch=cfg.gen_max_batch)
+    if gen_model is not target:
+        gen_stats = gen_model.stats
+        gen_model.release()
+    del gen_model
     timings["data_s"] = time.perf_counter() - t0
     by_cat: dict[str, int] = {}
     for i in range(len(data)):
         c = data.names[int(data.category[i])]
         by_cat[c] = by_cat.get(c, 0) + int(data.lengths[i] - data.prompt_lens[i])
     data_stats = {"samples": len(data), "answer_tokens": data.response_tokens, "total_tokens": int(len(data.ids)),
-                  "sampled_fraction": round(float(data.sampled.mean()), 4), "answer_tokens_by_category": by_cat}
+                  "sampled_fraction": round(float(data.sampled.mean()), 4), "answer_tokens_by_category": by_cat,
+                  "backend": cfg.gen_backend, "generation": gen_stats}
     say(f"data: {len(data)} samples, {data.response_tokens} answer tokens, {len(data.ids)} tokens in all")
 
     # 4. Draft vocabulary (frequency-ranked over the target's answers).
@@ -158,7 +235,13 @@ def distill(cfg: DistillConfig, progress: Callable[[str], None] | None = None) -
     cost = {n: round(v.matmul_params() / t_cost, 4) for n, v in variants.items()}
     say("variants: " + ", ".join(f"{n} ({sum(p.numel() for p in v.parameters()) / 1e6:.1f}M params, cost ratio {cost[n]})"
                                  for n, v in variants.items()))
-    trainer = Trainer(cfg, target, variants, data, token_ids, work, device)
+    train_cfg = cfg
+    if cfg.wall_seconds and cfg.train_seconds is not None:  # the training budget shrinks to what is left
+        budget = max(10.0, min(cfg.train_seconds, left() - cfg.wall_reserve))
+        train_cfg = dataclasses.replace(cfg, train_seconds=budget)
+        timings["train_budget_s"] = budget
+        say(f"wall clock: {left():.0f} s left; training budget {budget:.0f} s")
+    trainer = Trainer(train_cfg, target, variants, data, token_ids, work, device)
     resumed = trainer.maybe_resume()
     ac = DTYPES[cfg.dtype] if cfg.dtype != "float32" else None
     during = {k: v for k, v in eval_sets.items() if v[1] == 0.0}
