@@ -242,7 +242,13 @@ class SpeculativeEngine:
         K = max(wants)
         if K > 0:
             rows = [DraftRequest(s.request_id, s.context, w) for s, w in zip(states, wants)]
-            draft = self.drafter.propose(rows, K, sampling, steps, spec.draft_top_k).to(device)
+            draft = self.drafter.propose(rows, K, sampling, steps, spec.draft_top_k)
+            if draft.num_draft.device.type == "cpu":  # host-side drafters (prompt lookup): free to trim
+                # Feed only as many columns as the longest proposal: a step where the lookup found nothing
+                # is a plain decode (T = 1), not a verify of K padding tokens.
+                K = int(draft.num_draft.max())
+                draft = draft.trim(K)
+            draft = draft.to(device)
         else:
             draft = DraftBlock(torch.zeros(B, 0, dtype=torch.int64, device=device), torch.zeros(B, dtype=torch.int64, device=device))
         t1 = time.perf_counter()

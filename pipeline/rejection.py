@@ -43,6 +43,11 @@ class DraftBlock:
     def k(self) -> int:
         return self.token_ids.shape[1]
 
+    def trim(self, k: int) -> "DraftBlock":
+        """The first k columns (k >= every row's num_draft): drops all-padding columns."""
+        cut = lambda t: None if t is None else t[:, :k]  # noqa: E731
+        return DraftBlock(cut(self.token_ids), self.num_draft, cut(self.top_ids), cut(self.top_probs))
+
     def to(self, device: torch.device | str) -> "DraftBlock":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return DraftBlock(move(self.token_ids), move(self.num_draft), move(self.top_ids), move(self.top_probs))

@@ -207,3 +207,26 @@ def test_model_drafter_evicts_least_recent_request_when_slots_run_out(tiny_model
         want = three.propose(row, 3, sampling, steps, 8).token_ids
         assert torch.equal(got, want), rid
     assert len(one._slots) == 1
+
+
+def test_prompt_lookup_feeds_only_the_columns_it_drafted(tiny_models):
+    """A step where the lookup finds nothing is a plain decode (T = 1), and a short match is verified at its
+    own length, not padded to K: padding columns would cost a K+1-token target pass for nothing."""
+    engine = _engine(str(tiny_models["llama"]), "lookup", batch=1)
+    fed: list[int] = []
+    forward = engine.target.forward
+
+    def recording(tokens, positions, slots, logits_from=0):
+        fed.append(tokens.shape[1])
+        return forward(tokens, positions, slots, logits_from)
+
+    engine.target.forward = recording
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]  # no repeated token: nothing to look up at first
+    result = engine.generate(prompt, SamplingParams(max_tokens=24), SpecParams(num_draft_tokens=4))
+    steps = fed[1:]  # fed[0] is the prefill
+    drafted = result.stats["drafted"]
+    assert len(steps) == result.stats["target_passes"]
+    assert sum(t - 1 for t in steps) == drafted  # every fed column past the first was a real draft token
+    assert steps[0] == 1  # the first step had no match
+    assert result.token_ids == _engine(str(tiny_models["llama"]), None, batch=1).generate(
+        prompt, SamplingParams(max_tokens=24)).token_ids
