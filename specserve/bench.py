@@ -64,9 +64,12 @@ def run_bench(
     max_tokens: int,
     device: str = "cpu",
     progress: bool = True,
+    dtype: str = "float32",
+    adaptive_k: bool = False,
 ) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
+    from pipeline.adaptive import AdaptiveK
     from pipeline.config import EngineConfig, SamplingParams, SpecParams
     from pipeline.drafters import ModelDrafter, PromptLookupDrafter
     from pipeline.engine import SpeculativeEngine
@@ -74,21 +77,23 @@ def run_bench(
     from pipeline.models.store import resolve
 
     target_path = str(resolve(target))
-    model, tok = load_model(target_path, device=device)
-    config = EngineConfig(max_batch_size=1, max_seq_len=4096, device=device)
+    torch_dtype = getattr(torch, dtype)
+    model, tok = load_model(target_path, device=device, dtype=dtype)
+    config = EngineConfig(max_batch_size=1, max_seq_len=4096, device=device, dtype=dtype)
     if draft == "prompt-lookup":
         drafter = PromptLookupDrafter()
         hf_assist: dict[str, Any] = {"prompt_lookup_num_tokens": k}
     else:
         draft_path = str(resolve(draft))
-        draft_model, draft_tok = load_model(draft_path, device=device)
+        draft_model, draft_tok = load_model(draft_path, device=device, dtype=dtype)
         from pipeline.compat import check_compatible
 
         check_compatible(model.info, tok, draft_model.info, draft_tok)
         drafter = ModelDrafter(draft_model)
-        hf_assist = {"assistant_model": _hf_assistant(draft_path, k, device)}
-    engine = SpeculativeEngine(model, tok, drafter, config)
-    hf = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).to(device).eval() if any(
+        hf_assist = {"assistant_model": _hf_assistant(draft_path, k, device, torch_dtype)}
+    policy = AdaptiveK(max_k=k) if adaptive_k else None
+    engine = SpeculativeEngine(model, tok, drafter, config, k_policy=policy)
+    hf = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch_dtype).to(device).eval() if any(
         m.startswith("hf") for m in methods
     ) else None
     params = SamplingParams(max_tokens=max_tokens, seed=0)
@@ -140,17 +145,17 @@ def run_bench(
     bar.close()
     return {
         "machine": machine(), "date": time.strftime("%Y-%m-%d"), "target": target_path, "draft": draft,
-        "k": k, "max_tokens": max_tokens, "methods": methods, "records": records,
+        "k": k, "adaptive_k": adaptive_k, "dtype": dtype, "max_tokens": max_tokens, "methods": methods, "records": records,
         "summary": summarize(records, methods),
     }
 
 
-def _hf_assistant(path: str, k: int, device: str):
+def _hf_assistant(path: str, k: int, device: str, dtype: torch.dtype = torch.float32):
     # issue 8: a distilled drafter may have a reduced draft vocabulary; this wrapper maps it to target ids
     # (plain AutoModelForCausalLM for any other folder).
     from pipeline.distill.drafter import load_hf_assistant
 
-    m = load_hf_assistant(path, device=device, dtype=torch.float32)
+    m = load_hf_assistant(path, device=device, dtype=dtype)
     m.generation_config.num_assistant_tokens = k
     m.generation_config.num_assistant_tokens_schedule = "constant"
     m.generation_config.assistant_confidence_threshold = 0.0
@@ -198,7 +203,8 @@ def markdown_table(result: dict[str, Any]) -> str:
         for m in methods:
             notes.append(f"{m}: {summary[m]['overall']['tokens_per_s'] / base:.2f}x of engine-target")
     return (
-        f"Machine: {result['machine']}; date {result['date']}; drafter `{result['draft']}`, K={result['k']}, "
+        f"Machine: {result['machine']}; date {result['date']}; drafter `{result['draft']}`, K={result['k']}"
+        f"{' (adaptive, 0..K per step)' if result.get('adaptive_k') else ''}, {result.get('dtype', 'float32')}, "
         f"greedy, max_tokens={result['max_tokens']}, batch 1.\n"
         "Cells: tokens/s (engine-spec: mean tokens per target pass, bonus included, in brackets).\n\n"
         + head + "\n".join(rows) + "\n\n" + "; ".join(notes)

@@ -22,6 +22,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-k", "--num-draft-tokens", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="weights and activations of every method (engine and Hugging Face alike)")
+    p.add_argument("--adaptive-k", action="store_true",
+                   help="engine-spec chooses K per step (0..K) from measured step costs and acceptance")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("-o", "--out", default="bench-out", help="folder for bench.json, bench.md, bench.png")
     p.add_argument("--no-progress", action="store_true")
@@ -45,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     draft = DEFAULT_DRAFT if args.draft == "default" else args.draft
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     result = run_bench(args.target, draft, prompts, methods, args.num_draft_tokens, args.max_tokens,
-                       device=args.device, progress=not args.no_progress)
+                       device=args.device, progress=not args.no_progress, dtype=args.dtype,
+                       adaptive_k=args.adaptive_k)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(result, indent=1))
