@@ -46,15 +46,31 @@ class Drafter(Protocol):
 
 
 class PromptLookupDrafter:
-    """Propose the tokens that followed the most recent earlier occurrence of the context's last n-gram."""
+    """Propose the tokens that followed the most recent earlier occurrence of the context's last n-gram.
+
+    `propose` keeps, per request, an index from every n-gram of the context to its latest start, extended
+    by the tokens committed since the last call: a lookup costs O(new tokens), not a scan of the whole
+    context (at 32 concurrent rows of 1-2k tokens the scans cost milliseconds per step on the host).
+    `lookup` without a key scans; both give the same answer.
+    """
 
     name = "prompt-lookup"
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_requests: int = 4096) -> None:
         assert 1 <= min_ngram <= max_ngram, f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}"
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.max_requests = max_requests  # indexes kept; the least recently used goes first (rebuilt if needed)
+        self._index: dict[str, _NgramIndex] = {}
 
-    def lookup(self, context: Sequence[int], num: int) -> list[int]:
+    def lookup(self, context: Sequence[int], num: int, key: str | None = None) -> list[int]:
+        if key is not None:
+            index = self._index.pop(key, None)
+            if index is None or not index.extends(context):
+                index = _NgramIndex(self.min_ngram, self.max_ngram)
+            self._index[key] = index  # most recently used last
+            if len(self._index) > self.max_requests:
+                self._index.pop(next(iter(self._index)))
+            return index.lookup(context, num)
         ctx = np.asarray(context, dtype=np.int64)
         L = len(ctx)
         for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
@@ -69,13 +85,41 @@ class PromptLookupDrafter:
         tokens = torch.zeros(len(rows), k, dtype=torch.int64)
         counts = torch.zeros(len(rows), dtype=torch.int64)
         for b, row in enumerate(rows):
-            found = self.lookup(row.context, row.num_draft) if row.num_draft else []
+            found = self.lookup(row.context, row.num_draft, key=row.request_id) if row.num_draft else []
             tokens[b, : len(found)] = torch.tensor(found, dtype=torch.int64)
             counts[b] = len(found)
         return DraftBlock(token_ids=tokens, num_draft=counts)
 
     def release(self, request_id: str) -> None:
-        pass
+        self._index.pop(request_id, None)
+
+
+class _NgramIndex:
+    """For n in [min_n, max_n]: n-gram -> start of its latest occurrence that ends before the context's last
+    token (the windows of context[:-1]), over a context that only grows."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.maps: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self.tokens: list[int] = []  # the context seen so far
+
+    def extends(self, context: Sequence[int]) -> bool:
+        """Whether `context` is the indexed one plus appended tokens (cheap check: length and last token)."""
+        n = len(self.tokens)
+        return len(context) >= n and (n == 0 or context[n - 1] == self.tokens[-1])
+
+    def lookup(self, context: Sequence[int], num: int) -> list[int]:
+        old = len(self.tokens)
+        self.tokens.extend(int(t) for t in context[old:])
+        toks, L = self.tokens, len(self.tokens)
+        for n, table in self.maps.items():  # add windows of toks[:L-1] starting at (old - n) .. (L - 1 - n)
+            for i in range(max(old - n, 0), L - n):
+                table[tuple(toks[i : i + n])] = i
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            start = self.maps[n].get(tuple(toks[L - n :]))
+            if start is not None:
+                return toks[start + n : start + n + num]
+        return []
 
 
 class ModelDrafter:

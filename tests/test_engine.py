@@ -230,3 +230,23 @@ def test_prompt_lookup_feeds_only_the_columns_it_drafted(tiny_models):
     assert steps[0] == 1  # the first step had no match
     assert result.token_ids == _engine(str(tiny_models["llama"]), None, batch=1).generate(
         prompt, SamplingParams(max_tokens=24)).token_ids
+
+
+def test_prompt_lookup_index_equals_the_scan():
+    """The per-request incremental n-gram index gives exactly the scan's answer, step after step, for
+    contexts that grow by 1-5 tokens at a time, after a rebuild (a context that does not extend the
+    indexed one) and after release."""
+    import random
+
+    rng = random.Random(0)
+    d = PromptLookupDrafter()
+    for trial in range(30):
+        ctx = [rng.randrange(6) for _ in range(rng.randrange(1, 8))]
+        for step in range(60):
+            num = rng.randrange(0, 6)
+            assert d.lookup(ctx, num, key=f"r{trial}") == d.lookup(ctx, num), (trial, step)
+            ctx = ctx + [rng.randrange(6) for _ in range(rng.randrange(1, 6))]
+        other = [rng.randrange(6) for _ in range(20)]  # not an extension of the indexed context
+        assert d.lookup(other, 4, key=f"r{trial}") == d.lookup(other, 4)
+        d.release(f"r{trial}")
+    assert not d._index
