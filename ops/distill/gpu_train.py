@@ -1,5 +1,7 @@
 """The GPU run behind the shipped drafter: `specserve distill` with the same flags, plus packing for the trip
-back (the device tool returns at most 8 files of 16 MiB from $OUT).
+back (the device tool returns at most 8 files of 16 MiB from $OUT). `ops/distill/gpu_clean_retrain.sh main`
+runs it for the clean retrain (GGUF reassembly, prompts, the flags); `--wall-seconds` counts from this
+process's start.
 
     python3 ops/distill/gpu_train.py --pack-to $OUT [specserve distill flags...]
 
@@ -61,6 +63,7 @@ def main() -> None:
     ap.add_argument("--pack-to", required=True)
     ap.add_argument("--pack-mb", type=float, default=50.0)
     args = ap.parse_args()
+    t_process = time.perf_counter()
     import torch
 
     from pipeline.distill.run import distill, summary_table
@@ -69,9 +72,18 @@ def main() -> None:
           f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}", flush=True)
     t0 = time.time()
     cfg = config_from_args(args)
-    metrics = distill(cfg)
-    table = summary_table(metrics)
+    if cfg.wall_seconds:  # the limit counts from this process's start: imports are spent already
+        cfg.wall_seconds -= time.perf_counter() - t_process
     dest = Path(args.pack_to)
+    dest.mkdir(parents=True, exist_ok=True)
+    try:
+        metrics = distill(cfg)
+    except BaseException:
+        import traceback
+
+        (dest / "error.txt").write_text(traceback.format_exc())
+        raise
+    table = summary_table(metrics)
     packed = pack(Path(cfg.out), dest, args.pack_mb)
     curve = "\n".join(
         f"step {h['step']:5d} tokens {h['tokens_seen']:>10d} answer_tokens {h['answer_tokens_seen']:>10d}  " + "  ".join(
@@ -79,6 +91,7 @@ def main() -> None:
         for h in metrics["history"])
     text = (f"{table}\n\ncurve:\n{curve}\n\ncoverage {metrics['coverage']}\ncost {metrics['cost_ratio']}\n"
             f"data {metrics['data']}\ntimings {metrics['timings']}\nselected {metrics['selected']}\npacked {packed}\n"
+            f"steps {metrics['steps']}\n"
             f"wall {time.time() - t0:.0f} s\n")
     (dest / "summary.txt").write_text(text)
     print(text, flush=True)

@@ -43,8 +43,9 @@ class DistillConfig:
     gen_graphs: bool | None = None  # runner: captured static decoding steps (GraphCausalLM); None: on CUDA
     gen_compile: bool | None = None  # runner: torch.compile inside the static step; None: on CUDA
     gen_attention: str = "auto"  # runner, static step: "auto" | "triton" | "sdpa" (GraphConfig.attention)
-    # Wall-clock limit for the whole run (seconds from the start of distill()): the data and training budgets
-    # shrink to fit, keeping `wall_reserve` seconds for the final evaluation and export.
+    # Wall-clock limit for the whole run (seconds from the start of distill()): the data budget shrinks to leave
+    # train_seconds + wall_reserve, and training (with train_seconds set) gets whatever is left then minus
+    # `wall_reserve` (kept for the final evaluation and export).
     wall_seconds: float | None = None
     wall_reserve: float = 30.0
 

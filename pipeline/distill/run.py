@@ -236,8 +236,10 @@ def distill(cfg: DistillConfig, progress: Callable[[str], None] | None = None) -
     say("variants: " + ", ".join(f"{n} ({sum(p.numel() for p in v.parameters()) / 1e6:.1f}M params, cost ratio {cost[n]})"
                                  for n, v in variants.items()))
     train_cfg = cfg
-    if cfg.wall_seconds and cfg.train_seconds is not None:  # the training budget shrinks to what is left
-        budget = max(10.0, min(cfg.train_seconds, left() - cfg.wall_reserve))
+    if cfg.wall_seconds and cfg.train_seconds is not None:
+        # Training gets what is left: about train_seconds when the data used its budget, more when the data ran
+        # out early (all prompts answered), less when generation overran.
+        budget = max(10.0, left() - cfg.wall_reserve)
         train_cfg = dataclasses.replace(cfg, train_seconds=budget)
         timings["train_budget_s"] = budget
         say(f"wall clock: {left():.0f} s left; training budget {budget:.0f} s")
