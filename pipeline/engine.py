@@ -67,7 +67,7 @@ class SpeculativeEngine:
         tokenizer: Any | None = None,
         drafter: Drafter | None = None,
         config: EngineConfig | None = None,
-        k_policy: AdaptiveK | None = None,  # choose K per step from measured costs (None: always spec's K)
+        k_policy: AdaptiveK | None = None,  # K per step for greedy rows from measured costs (None: spec's K)
     ) -> None:
         self.config = config or EngineConfig()
         if self.config.extra.get("graphs", True):  # static-shape CUDA-graph path for models on CUDA
@@ -235,10 +235,14 @@ class SpeculativeEngine:
         steps = torch.tensor([s.step for s in states], dtype=torch.int64, device=device)
         # Never draft past max_tokens: the last allowed token always comes from the target.
         t0 = time.perf_counter()
-        k = spec.num_draft_tokens
+        k = k_greedy = spec.num_draft_tokens
         if self.k_policy is not None and self.drafter is not None:
-            k = self.k_policy.choose(B, k)
-        wants = [min(k, s.remaining - 1) if self.drafter else 0 for s in states]
+            k_greedy = self.k_policy.choose(B, k)
+        # The policy sets K for greedy rows only: a sampled row's tokens depend on its K schedule (which
+        # positions are decided by an accept test rather than a direct sample), and K chosen from measured
+        # timings would make a seeded request's output irreproducible. Sampled rows keep the request's K.
+        wants = [min(k_greedy if s.params.temperature == 0 else k, s.remaining - 1) if self.drafter else 0
+                 for s in states]
         K = max(wants)
         if K > 0:
             rows = [DraftRequest(s.request_id, s.context, w) for s, w in zip(states, wants)]

@@ -166,3 +166,24 @@ def test_batched_graph_engine_equals_unbatched_greedy(tiny_models, unbatched_ref
     assert target.stats.graph_calls > 0
     if policy == "cycling":
         assert len(k_policy.used) >= 4  # it really ran with several K
+
+
+def test_k_policy_leaves_sampled_requests_reproducible(tiny_models):
+    """A K policy picks K for greedy rows only: a seeded sampled request gives the same tokens with a policy
+    that changes K every step as with the request's own fixed K, alone and next to greedy requests."""
+    from pipeline.config import SamplingParams, SpecParams
+
+    def engine(policy):
+        target, _ = load_model(tiny_models["llama"])
+        drafter = ModelDrafter(load_model(tiny_models["draft"])[0])
+        return SpeculativeEngine(target, None, drafter, EngineConfig(max_batch_size=3, max_seq_len=64),
+                                 k_policy=policy)
+
+    sampled = SamplingParams(temperature=1.0, max_tokens=20, seed=7)
+    greedy = SamplingParams(max_tokens=20)
+    want = engine(None).generate(PROMPTS[0], sampled, SpecParams(num_draft_tokens=3)).token_ids
+    cycling = CyclingK()
+    got = engine(cycling).generate_batch([PROMPTS[0], PROMPTS[1], PROMPTS[2]], [sampled, greedy, greedy],
+                                         SpecParams(num_draft_tokens=3))
+    assert got[0].token_ids == want
+    assert len(cycling.used) >= 3  # the greedy rows really ran with several K
