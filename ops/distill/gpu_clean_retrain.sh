@@ -48,8 +48,9 @@ if [ "$MODE" = stash ]; then
     echo "stashed gguf.part$I ($(stat -c %s "$STASH/gguf.part$I") bytes, sha256 ok) in $STASH; $(ls "$STASH" | tr '\n' ' ')"
     nvidia-smi -L 2>/dev/null; df -h /tmp | tail -1
     if [ "$I" = 1 ] && [ "${REHEARSE:-1}" = 1 ] && [ -f "$CLEAN/call$I/target_config.json" ]; then
-        timeout -s INT "${REHEARSE_S:-110}" "$PY" ops/distill/gpu_rehearse.py --config "$CLEAN/call$I/target_config.json" \
-            --rows "${GEN_ROWS:-512}" --seconds "${PROBE_S:-30}" --out "$OUT" 2>&1 | tee "$OUT/rehearsal.log"
+        timeout -s INT "${REHEARSE_S:-100}" "$PY" ops/distill/gpu_rehearse.py --config "$CLEAN/call$I/target_config.json" \
+            --rows "${GEN_ROWS:-512}" --seconds "${PROBE_S:-30}" --folder "$STASH/rehearse_target" --out "$OUT" 2>&1 \
+            | tee "$OUT/rehearsal.log"
     fi
     echo "stash $I done in $(elapsed) s"
     exit 0
