@@ -93,9 +93,11 @@ class SpeculativeEngine:
         target: str | None = None,
         draft: str | None = DEFAULT_DRAFT,
         config: EngineConfig | None = None,
+        adaptive_k: bool = False,
     ) -> "SpeculativeEngine":
         """target: a model folder, a .gguf file, or None for the demo model. draft: a model path,
-        "prompt-lookup", or None for target-only decoding."""
+        "prompt-lookup", or None for target-only decoding. adaptive_k: greedy requests draft 0..K tokens per
+        step, whichever the measured step costs and acceptance say pays most (`pipeline.adaptive`)."""
         from pipeline.compat import check_compatible
         from pipeline.models.loader import load_model
         from pipeline.models.store import resolve
@@ -111,7 +113,8 @@ class SpeculativeEngine:
             draft_model, draft_tok = load_model(str(resolve(draft)), device=config.device, dtype=config.dtype)
             check_compatible(model.info, tokenizer, draft_model.info, draft_tok)
             drafter = ModelDrafter(draft_model)
-        return cls(model, tokenizer, drafter, config)
+        spec_k = SpecParams().num_draft_tokens
+        return cls(model, tokenizer, drafter, config, k_policy=AdaptiveK(max_k=max(spec_k, 16)) if adaptive_k else None)
 
     # -- public API ------------------------------------------------------------------------------------
     def generate(

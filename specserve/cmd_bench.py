@@ -24,8 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="weights and activations of every method (engine and Hugging Face alike)")
-    p.add_argument("--adaptive-k", action="store_true",
-                   help="engine-spec chooses K per step (0..K) from measured step costs and acceptance")
+    p.add_argument("--fixed-k", action="store_true",
+                   help="engine-spec drafts K tokens every step (default: K adapts per step between 0 and K "
+                        "from measured step costs and acceptance, as in `specserve generate`)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("-o", "--out", default="bench-out", help="folder for bench.json, bench.md, bench.png")
     p.add_argument("--no-progress", action="store_true")
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     result = run_bench(args.target, draft, prompts, methods, args.num_draft_tokens, args.max_tokens,
                        device=args.device, progress=not args.no_progress, dtype=args.dtype,
-                       adaptive_k=args.adaptive_k)
+                       adaptive_k=not args.fixed_k)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(result, indent=1))

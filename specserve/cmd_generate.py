@@ -27,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--max-seq-len", type=int, default=4096)
+    p.add_argument("--fixed-k", action="store_true",
+                   help="draft K tokens every step (default: greedy requests adapt K per step between 0 and K "
+                        "from measured step costs and acceptance; sampled requests always use K)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(max(1, torch.get_num_threads()))
     draft = None if args.no_draft else (DEFAULT_DRAFT if args.draft in (None, "default") else args.draft)
     config = EngineConfig(max_batch_size=1, max_seq_len=args.max_seq_len, device=args.device, dtype=args.dtype)
-    engine = SpeculativeEngine.from_pretrained(args.target, draft, config)
+    engine = SpeculativeEngine.from_pretrained(args.target, draft, config, adaptive_k=not args.fixed_k)
 
     result = None
     for event in engine.stream(args.prompt, params, spec, chat=args.chat):
