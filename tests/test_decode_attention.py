@@ -87,7 +87,9 @@ def test_plan_splits_covers_the_keys(S, programs, sms):
 
 @pytest.fixture(scope="module")
 def interpreted_results():
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # a checkout not pip-installed
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+               PYTHONPATH=path)
     proc = subprocess.run([sys.executable, str(Path(cases.__file__))], capture_output=True, text=True, cwd=ROOT,
                           env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
