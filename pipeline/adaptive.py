@@ -149,6 +149,7 @@ class AdaptiveK:
         seconds: float,  # wall time of the whole step
         num_draft: Sequence[int],  # per row: tokens actually drafted
         num_accepted: Sequence[int],  # per row: of those, accepted
+        timed: bool = True,  # False: the step paid a one-time cost (a graph capture): acceptance only
     ) -> None:
         self.steps += 1
         key = (batch_bucket(batch), k)
@@ -157,6 +158,8 @@ class AdaptiveK:
         for n, a in zip(num_draft, num_accepted):
             self.accepted += a
             self.rejected += 1 if a < n else 0
+        if not timed:
+            return
         if key not in self._warm:  # the first step of a shape pays one-time costs (graph capture, compilation)
             self._warm.add(key)
             return

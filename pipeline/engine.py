@@ -238,6 +238,7 @@ class SpeculativeEngine:
         steps = torch.tensor([s.step for s in states], dtype=torch.int64, device=device)
         # Never draft past max_tokens: the last allowed token always comes from the target.
         t0 = time.perf_counter()
+        captures = self._captures()
         k = k_greedy = spec.num_draft_tokens
         if self.k_policy is not None and self.drafter is not None:
             k_greedy = self.k_policy.choose(B, k)
@@ -274,7 +275,8 @@ class SpeculativeEngine:
         self.timings.target_s += t2 - t1
         self.timings.steps += 1
         if self.k_policy is not None and self.drafter is not None:
-            self.k_policy.observe(B, K, t2 - t0, num_draft, num_accepted)
+            # A step that captured a CUDA graph (a new batch/K/context bucket) is no measure of its cost.
+            self.k_policy.observe(B, K, t2 - t0, num_draft, num_accepted, timed=self._captures() == captures)
 
         events = []
         for b, state in enumerate(states):
@@ -282,6 +284,11 @@ class SpeculativeEngine:
             result = self._result(state) if state.finished else None
             events.append(StreamEvent(state.request_id, committed, text, state.finished, result))
         return events
+
+    def _captures(self) -> int:
+        """CUDA graphs captured so far by the target and a model drafter (0 for eager runners)."""
+        models = [self.target, getattr(self.drafter, "model", None)]
+        return sum(getattr(getattr(m, "stats", None), "captures", 0) for m in models)
 
     def _result(self, state: RequestState) -> GenerationResult:
         return GenerationResult(

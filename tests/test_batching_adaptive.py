@@ -105,3 +105,50 @@ def test_first_step_of_a_shape_is_not_taken_as_its_cost():
         policy.observe(1, k, cost, [k], [k])  # everything accepted
     assert max(policy.costs(1).values()) < 2.0
     assert policy.choose(1, 4) == 4
+
+
+def test_steps_that_captured_a_graph_are_not_taken_as_costs():
+    """Later captures (a row's context crossing into a new key bucket) come at any step, not only the first of
+    a shape: the engine marks those steps untimed and the policy keeps their acceptance but not their time."""
+    policy = AdaptiveK(max_k=4)
+    for i in range(200):
+        k = policy.choose(32, 4)
+        capture = i % 7 == 3  # a capture now and then, at whatever K runs
+        policy.observe(32, k, (40.0 if capture else 1.0) + 0.01 * k, [k] * 32, [k] * 32, timed=not capture)
+    assert max(policy.costs(32).values()) < 1.1
+    assert policy.choose(32, 4) == 4
+    assert policy.alpha > 0.9  # acceptance was still counted on the untimed steps
+
+
+def test_engine_marks_capturing_steps_untimed(tiny_models):
+    """SpeculativeEngine passes timed=False exactly for the steps during which the target captured a graph."""
+    from pipeline.config import EngineConfig, SamplingParams, SpecParams
+    from pipeline.drafters import PromptLookupDrafter
+    from pipeline.engine import SpeculativeEngine
+    from pipeline.models.loader import load_model
+
+    class Recorder(AdaptiveK):
+        def observe(self, *args, timed=True):
+            self.flags.append(timed)
+            super().observe(*args, timed=timed)
+
+    target, _ = load_model(tiny_models["llama"])
+
+    class Stats:
+        captures = 0
+
+    target.stats = Stats()  # an eager runner standing in for a graph runner's counter
+    forward = target.forward
+
+    def capturing(tokens, positions, slots, logits_from=0):
+        if tokens.shape[1] > 1 and positions.numel() == 1:
+            target.stats.captures += 1  # pretend every verify-shaped call captured
+        return forward(tokens, positions, slots, logits_from)
+
+    target.forward = capturing
+    policy = Recorder(max_k=4)
+    policy.flags = []
+    engine = SpeculativeEngine(target, None, PromptLookupDrafter(), EngineConfig(max_batch_size=1, max_seq_len=96),
+                               k_policy=policy)
+    engine.generate([3, 4, 5, 3, 4, 5, 3, 4], SamplingParams(max_tokens=30), SpecParams(num_draft_tokens=4))
+    assert False in policy.flags and True in policy.flags
