@@ -3,7 +3,8 @@ answer tokens trained on, per drafter depth and data size. Reads ops/distill/run
 
     python ops/distill/curve.py [--png ops/distill/runs/curve.png]
 
-Run 3 continues run 2's drafter: its x axis is shifted by run 2's tokens.
+Run 3 continues run 2's drafter: its x axis is shifted by run 2's tokens. Run 4 is the clean retrain (from the
+target, decontaminated prompts, 11M answer tokens from the runner backend): the shipped drafter.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 from pathlib import Path
 
 RUNS = Path(__file__).resolve().parent / "runs"
-ORDER = [("run1-variants", None), ("run2-L2", None), ("run3-L2-continued", "run2-L2")]
+ORDER = [("run1-variants", None), ("run2-L2", None), ("run3-L2-continued", "run2-L2"), ("run4-clean", None)]
 
 
 def load() -> list[dict]:
@@ -57,6 +58,8 @@ def main() -> None:
                 label = f"{r['variant']} ({r['data_answer_tokens'] / 1e6:.2f}M data)"
                 if r["run"] == "run3-L2-continued":
                     label = f"L2 continued ({r['data_answer_tokens'] / 1e6:.2f}M data)"
+                if r["run"] == "run4-clean":
+                    label = f"L2 clean retrain ({r['data_answer_tokens'] / 1e6:.2f}M data, shipped)"
                 series.setdefault(label, []).append((max(r["answer_tokens_seen"], 1e5), r[key]))
             for label, pts in series.items():
                 ax[i].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
