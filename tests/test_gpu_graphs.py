@@ -33,6 +33,47 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+def _check_against_eager(graph, eager, ref32, lengths: list[int], shapes, seed: int, label: str):
+    """Prefill `lengths[slot]` random tokens into every slot of the three runners, then run ragged calls of
+    each (B, T) twice (capture, then replay) and require the graph path to be as close to float32 as the bf16
+    eager path is (and close to it), with about as many float32 argmaxes. Returns the last call's inputs."""
+    g = torch.Generator().manual_seed(seed)
+    for slot, n in enumerate(lengths):
+        prompt = torch.randint(0, SMALL.vocab_size, (1, n), generator=g).cuda()
+        for m in (graph, eager, ref32):
+            m.forward(prompt, torch.tensor([0]), torch.tensor([slot]), n - 1)
+    agree_graph = agree_eager = total = 0
+    for B, T in shapes:
+        for _ in range(2):  # first call captures, second replays
+            slots = torch.randperm(len(lengths), generator=g)[:B]
+            positions = torch.tensor([lengths[s] for s in slots])
+            tokens = torch.randint(0, SMALL.vocab_size, (B, T), generator=g).cuda()
+            got = graph.forward(tokens, positions, slots)
+            want = eager.forward(tokens, positions, slots)
+            exact = ref32.forward(tokens, positions, slots)
+            assert torch.isfinite(got).all()
+            assert _rel(got, want) < 3e-2, (label, B, T, _rel(got, want))
+            assert _rel(got, exact) < 1.5 * _rel(want, exact) + 2e-3, (label, B, T, _rel(got, exact), _rel(want, exact))
+            top = exact.argmax(-1)
+            agree_graph += int((got.argmax(-1) == top).sum())
+            agree_eager += int((want.argmax(-1) == top).sum())
+            total += top.numel()
+    # Random weights give near-flat logits, where bf16 rounding flips some argmaxes on either path: the
+    # captured path must pick the float32 argmax about as often as the eager bf16 path does.
+    assert agree_graph >= agree_eager - 0.05 * total, (label, agree_graph, agree_eager, total)
+    return tokens, positions, slots
+
+
+def _replay_without_host_sync(graph, tokens, positions, slots) -> None:
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graph.forward(tokens, positions, slots)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
 @pytest.fixture(scope="module", params=[False, True], ids=["eager-kernels", "compiled"])
 def runners(request):
     """(graph runner, eager runner with the same bf16 weights, float32 eager runner of those weights)."""
@@ -48,31 +89,8 @@ def runners(request):
 def test_captured_logits_match_eager(runners):
     """The captured path is as close to float32 as the bf16 eager path is (and close to it)."""
     graph, eager, ref32 = runners
-    g = torch.Generator().manual_seed(0)
-    lengths = [300, 17, 611, 64, 5, 900]  # slot -> prefilled tokens
-    for slot, n in enumerate(lengths):
-        prompt = torch.randint(0, SMALL.vocab_size, (1, n), generator=g).cuda()
-        for m in (graph, eager, ref32):
-            m.forward(prompt, torch.tensor([0]), torch.tensor([slot]), n - 1)
-    agree_graph = agree_eager = total = 0
-    for B, T in [(1, 1), (1, 5), (3, 1), (3, 5), (6, 4)]:
-        for _ in range(2):  # first call captures, second replays
-            slots = torch.randperm(len(lengths), generator=g)[:B]
-            positions = torch.tensor([lengths[s] for s in slots])
-            tokens = torch.randint(0, SMALL.vocab_size, (B, T), generator=g).cuda()
-            got = graph.forward(tokens, positions, slots)
-            want = eager.forward(tokens, positions, slots)
-            exact = ref32.forward(tokens, positions, slots)
-            assert torch.isfinite(got).all()
-            assert _rel(got, want) < 3e-2, (B, T, _rel(got, want))
-            assert _rel(got, exact) < 1.5 * _rel(want, exact) + 2e-3, (B, T, _rel(got, exact), _rel(want, exact))
-            top = exact.argmax(-1)
-            agree_graph += int((got.argmax(-1) == top).sum())
-            agree_eager += int((want.argmax(-1) == top).sum())
-            total += top.numel()
-    # Random weights give near-flat logits, where bf16 rounding flips some argmaxes on either path: the
-    # captured path must pick the float32 argmax about as often as the eager bf16 path does.
-    assert agree_graph >= agree_eager - 0.05 * total, (agree_graph, agree_eager, total)
+    _check_against_eager(graph, eager, ref32, [300, 17, 611, 64, 5, 900],
+                         [(1, 1), (1, 5), (3, 1), (3, 5), (6, 4)], seed=0, label="captured")
     assert graph.stats.captures >= 5 and graph.stats.host_syncs == 0
 
 
@@ -81,13 +99,7 @@ def test_no_host_sync_inside_a_step(runners):
     tokens = torch.randint(0, SMALL.vocab_size, (2, 5), device="cuda")
     positions, slots = torch.tensor([40, 90]), torch.tensor([1, 4])
     graph.forward(tokens, positions, slots)  # capture outside the check
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        graph.forward(tokens, positions, slots)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    _replay_without_host_sync(graph, tokens, positions, slots)
 
 
 @pytest.fixture(scope="module", params=[None, 96], ids=["full", "window96"])
@@ -113,37 +125,11 @@ def test_graph_attention_matches_eager(attention_runners, attention):
     graphs, eager, ref32 = attention_runners
     graph = graphs[attention]
     assert graph.attention == attention
-    g = torch.Generator().manual_seed(1)
-    lengths = [1000, 17, 611, 64, 5, 1500, 255, 257]  # slot -> prefilled tokens
-    for slot, n in enumerate(lengths):
-        prompt = torch.randint(0, SMALL.vocab_size, (1, n), generator=g).cuda()
-        for m in (graph, eager, ref32):
-            m.forward(prompt, torch.tensor([0]), torch.tensor([slot]), n - 1)
-    agree_graph = agree_eager = total = 0
-    for B, T in [(1, 1), (1, 5), (3, 1), (3, 5), (6, 4), (8, 1), (2, 16)]:
-        for _ in range(2):  # first call captures, second replays
-            slots = torch.randperm(len(lengths), generator=g)[:B]
-            positions = torch.tensor([lengths[s] for s in slots])
-            tokens = torch.randint(0, SMALL.vocab_size, (B, T), generator=g).cuda()
-            got = graph.forward(tokens, positions, slots)
-            want = eager.forward(tokens, positions, slots)
-            exact = ref32.forward(tokens, positions, slots)
-            assert torch.isfinite(got).all()
-            assert _rel(got, want) < 3e-2, (attention, B, T, _rel(got, want))
-            assert _rel(got, exact) < 1.5 * _rel(want, exact) + 2e-3, (attention, B, T, _rel(got, exact), _rel(want, exact))
-            top = exact.argmax(-1)
-            agree_graph += int((got.argmax(-1) == top).sum())
-            agree_eager += int((want.argmax(-1) == top).sum())
-            total += top.numel()
-    assert agree_graph >= agree_eager - 0.05 * total, (attention, agree_graph, agree_eager, total)
+    tokens, positions, slots = _check_against_eager(
+        graph, eager, ref32, [1000, 17, 611, 64, 5, 1500, 255, 257],  # slot -> prefilled tokens
+        [(1, 1), (1, 5), (3, 1), (3, 5), (6, 4), (8, 1), (2, 16)], seed=1, label=attention)
     assert graph.stats.captures >= 7 and graph.stats.host_syncs == 0
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        graph.forward(tokens, positions, slots)  # a replay
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    _replay_without_host_sync(graph, tokens, positions, slots)
 
 
 def test_auto_attention_is_triton_on_cuda():
