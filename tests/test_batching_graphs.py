@@ -145,7 +145,7 @@ class CyclingK:
         self.i += 1
         return min(self.ks[self.i % len(self.ks)], cap)
 
-    def observe(self, batch, k, seconds, num_draft, num_accepted) -> None:
+    def observe(self, batch, k, seconds, num_draft, num_accepted, timed=True) -> None:
         self.used.add(k)
 
 
