@@ -113,8 +113,8 @@ class SpeculativeEngine:
             draft_model, draft_tok = load_model(str(resolve(draft)), device=config.device, dtype=config.dtype)
             check_compatible(model.info, tokenizer, draft_model.info, draft_tok)
             drafter = ModelDrafter(draft_model)
-        spec_k = SpecParams().num_draft_tokens
-        return cls(model, tokenizer, drafter, config, k_policy=AdaptiveK(max_k=max(spec_k, 16)) if adaptive_k else None)
+        policy = AdaptiveK(max_k=16) if adaptive_k else None  # each request's num_draft_tokens caps it further
+        return cls(model, tokenizer, drafter, config, k_policy=policy)
 
     # -- public API ------------------------------------------------------------------------------------
     def generate(

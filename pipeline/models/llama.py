@@ -444,7 +444,8 @@ def linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:  # [..., C_in] ->
     torch's CPU GEMM (MKL) runs x @ W^T for a handful of rows far below memory bandwidth, while `W @ x^T`
     with x^T a transposed view of 2-5 columns streams W at full speed; one row is padded to two because the
     two-column kernel beats MKL's matrix-vector path. Other layer types, layers with hooks (tensor-parallel
-    shards), other dtypes, GPUs and prefill-sized inputs take the ordinary call. The result equals `layer(x)` up to float summation order.
+    shards), other dtypes, GPUs and prefill-sized inputs take the ordinary call. The result equals
+    `layer(x)` up to float summation order.
     """
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     if (
