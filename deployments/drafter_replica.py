@@ -50,7 +50,10 @@ class DrafterWorker:
         from pipeline.models.loader import load_model
         from pipeline.models.store import DEMO_DRAFT
 
+        from pipeline.models.graphs import graphs_on_cuda
+
         runner, _ = load_model(model or DEMO_DRAFT, device=device, dtype=dtype)  # None: the shipped demo drafter
+        runner = graphs_on_cuda(runner)  # CUDA: captured decode steps; CPU unchanged
         runner.allocate(max_batch_size, max_seq_len + CACHE_SLACK)
         self.drafter = ModelDrafter(runner)
         self._ctx: dict[str, list[int]] = {}

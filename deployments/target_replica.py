@@ -73,9 +73,11 @@ class TargetWorker:
 
             self.model = leader_runner(model, world_size, tp_init_method, device, dtype)
         else:
+            from pipeline.models.graphs import graphs_on_cuda
             from pipeline.models.loader import load_model
 
-            self.model, _ = load_model(model, device=device, dtype=dtype)
+            # CUDA: the static-shape graph runner (as the engine and tensor-parallel ranks use); CPU unchanged.
+            self.model = graphs_on_cuda(load_model(model, device=device, dtype=dtype)[0])
         max_seq_len = min(max_seq_len, self.model.info.max_position_embeddings or max_seq_len)
         self.max_seq_len = max_seq_len
         self.model.allocate(max_batch_size, max_seq_len + CACHE_SLACK)
@@ -150,8 +152,8 @@ class TargetWorker:
                     if r.start > done:  # chunked prefill: at most PREFILL_CHUNK prompt tokens per pass
                         end = min(r.start, done + PREFILL_CHUNK)
                         tokens = torch.tensor([r.prefix[done:end]], dtype=torch.int64, device=self.device)
-                        self.model.forward(tokens, torch.full((1,), done, dtype=torch.int64, device=self.device),
-                                           torch.tensor([slot], device=self.device), end - done - 1)
+                        self.model.forward(tokens, torch.full((1,), done, dtype=torch.int64),
+                                           torch.tensor([slot], dtype=torch.int64), end - done - 1)
                         if end < r.start:  # the rest in later passes; running requests step in between
                             self._prefilling[r.request_id] = end
                             results[b] = AGAIN
@@ -180,7 +182,8 @@ class TargetWorker:
             num_draft[b] = len(r.tokens) - 1
         slots = torch.tensor([self._slot_for(r.request_id, pinned) for r in rows], dtype=torch.int64)
         positions = torch.tensor([r.start for r in rows], dtype=torch.int64)
-        logits = self.model.forward(tokens.to(dev), positions.to(dev), slots.to(dev))  # [B, K+1, V]
+        # Positions and slots stay on the host: runners read them without a device sync.
+        logits = self.model.forward(tokens.to(dev), positions, slots)  # [B, K+1, V]
         for r in rows:
             self._fed[r.request_id] = max(self._fed.get(r.request_id, 0), r.start + len(r.tokens))
         top_ids = top_probs = None

@@ -303,8 +303,6 @@ class SpeculativeEngine:
 
 def _graphs_on_cuda(model: CausalLM) -> CausalLM:
     """The static-shape graph runner for Llama-family models on a CUDA device; others unchanged."""
-    if torch.device(getattr(model, "device", "cpu")).type != "cuda":
-        return model
-    from pipeline.models.graphs import maybe_graphs
+    from pipeline.models.graphs import graphs_on_cuda
 
-    return maybe_graphs(model)
+    return graphs_on_cuda(model)

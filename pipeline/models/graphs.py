@@ -374,3 +374,10 @@ def maybe_graphs(model: CausalLM, config: GraphConfig | None = None) -> CausalLM
         log.warning("%s is not a Llama-family fast-path model: no static-shape graph path, using the generic runner",
                     name)
     return model
+
+
+def graphs_on_cuda(model: CausalLM, config: GraphConfig | None = None) -> CausalLM:
+    """`maybe_graphs` for a model on a CUDA device; a model elsewhere is returned unchanged."""
+    if torch.device(getattr(model, "device", "cpu")).type != "cuda":
+        return model
+    return maybe_graphs(model, config)
