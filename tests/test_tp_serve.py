@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from _serve_support import redis_url, run_app, sse_events, wait_for
+from _serve_support import redis_url, run_app, sse_events, tiny_engine, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -42,14 +42,7 @@ def server(tiny_models):
 
 @pytest.fixture(scope="module")
 def engine(tiny_models):
-    from pipeline.config import EngineConfig
-    from pipeline.drafters import ModelDrafter
-    from pipeline.engine import SpeculativeEngine
-    from pipeline.models.loader import load_model
-
-    target, _ = load_model(str(tiny_models["llama"]))
-    draft, _ = load_model(str(tiny_models["draft"]))
-    return SpeculativeEngine(target, None, ModelDrafter(draft), EngineConfig(max_batch_size=8, max_seq_len=MAX_SEQ_LEN))
+    return tiny_engine(tiny_models, max_batch_size=8, max_seq_len=MAX_SEQ_LEN)
 
 
 def reference(engine, prompt, **params):
