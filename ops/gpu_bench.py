@@ -11,8 +11,10 @@ T = K+1 tokens per row at context `--context`: this engine's graph runner (`pipe
 model eager, Hugging Face eager (DynamicCache) and Hugging Face compiled (StaticCache +
 torch.compile(mode="reduce-overhead")). floor = (weights read once + KV read + KV written) / copy bandwidth.
 `--attention` lists the graph runner's attention variants to time (`GraphConfig.attention`: triton = the
-split-KV kernel reading the cache in place, sdpa = slot gather + SDPA, auto = triton where it imports): one
-table row, one profile and one set of checks per variant (checks of a variant past the first are suffixed).
+split-KV kernel reading the cache in place, sdpa = slot gather + SDPA, auto = the defaults) or runner
+variants (`VARIANTS`: prev = triton attention with cuBLAS linears and the unfused RoPE/cache write, rope = +
+the fused RoPE/cache write, kernels = + the tuned skinny linears): one table row, one profile and one set of
+checks per variant (checks of a variant past the first are suffixed).
 demo: the demo target and the default drafter (prompt lookup) end to end, greedy: this engine vs HF generate
 vs HF assisted generation with the same drafter (`specserve.bench.run_bench`); then 32 concurrent requests
 with speculation off, on at fixed K and on with the adaptive K policy: aggregate tokens/s.
@@ -96,11 +98,28 @@ def floor_ms(shape: str, B: int, T: int, context: int, bw_GBps: float) -> float:
     return bytes_ / (bw_GBps * 1e9) * 1e3
 
 
+# Graph-runner variants `--attention` may name besides a plain attention kind (auto, triton, sdpa):
+VARIANTS = {
+    "prev": {"attention": "triton", "linear": "torch", "fused_rope": False},  # the 2026-11-26 06:40 runner
+    "rope": {"attention": "triton", "linear": "torch", "fused_rope": True},  # + the fused RoPE/cache write
+    "kernels": {"attention": "triton", "linear": "auto", "fused_rope": True},  # + tuned skinny linears
+}
+
+
+def variant_config(name: str) -> GraphConfig:
+    return GraphConfig(**VARIANTS[name]) if name in VARIANTS else GraphConfig(attention=name)
+
+
+def variant_label(name: str, graph: GraphCausalLM) -> str:
+    """The variant's name, or the attention it resolved to ('auto' -> triton | sdpa; sdpa after a fallback)."""
+    return name if name in VARIANTS else graph.attention
+
+
 def bench_ours(shape: str, batches: list[int], Ts: list[int], context: int, eager_batches: list[int],
                attention: str = "auto") -> list[dict]:
     dev = torch.device("cuda")
     runner = random_llama(shape, dev, torch.bfloat16, seed=0)
-    graph = GraphCausalLM(runner, GraphConfig(attention=attention))
+    graph = GraphCausalLM(runner, variant_config(attention))
     graph.allocate(max(batches), context + 256)
     for c in runner.k_caches + runner.v_caches:
         c.normal_()
@@ -120,11 +139,11 @@ def bench_ours(shape: str, batches: list[int], Ts: list[int], context: int, eage
             replay = time_fn(graph._graphs[key].graph.replay)
             row = {"impl": "ours-graph", "model": shape, "B": B, "T": T, "ms": step["median_ms"], "p90_ms": step["p90_ms"],
                    "replay_ms": replay["median_ms"], "bucket": key, "first_call_s": first_s,
-                   "attention": graph.attention}  # as resolved ('auto' -> triton | sdpa; sdpa after a fallback)
+                   "attention": variant_label(attention, graph)}
             if B in eager_batches:
                 row["eager_ms"] = time_fn(lambda: runner.forward(tokens, positions, slots), iters=10)["median_ms"]
             rows.append(row)
-            log(f"ours[{graph.attention}] {shape} B={B} T={T}: {step['median_ms']:.3f} ms (replay {replay['median_ms']:.3f}, "
+            log(f"ours[{variant_label(attention, graph)}] {shape} B={B} T={T}: {step['median_ms']:.3f} ms (replay {replay['median_ms']:.3f}, "
                 f"eager {row.get('eager_ms', float('nan')):.2f}, first call {first_s:.1f} s)")
     del graph, runner
     free()
@@ -289,7 +308,7 @@ def profile_breakdown(shape: str, cases: list[tuple[int, int]], context: int, at
 
     dev = torch.device("cuda")
     runner = random_llama(shape, dev, torch.bfloat16, seed=0)
-    graph = GraphCausalLM(runner, GraphConfig(attention=attention))
+    graph = GraphCausalLM(runner, variant_config(attention))
     graph.allocate(max(b for b, _ in cases), context + 256)
     out = []
     for B, T in cases:
@@ -309,17 +328,18 @@ def profile_breakdown(shape: str, cases: list[tuple[int, int]], context: int, at
             if t <= 0:
                 continue
             n = e.key.lower()
-            cls = ("gemm" if any(w in n for w in ("gemm", "gemv", "cutlass", "nvjet", "sm90_xmma", "splitk")) else
+            cls = ("gemm" if any(w in n for w in ("gemm", "gemv", "cutlass", "nvjet", "sm90_xmma", "splitk", "skinny")) else
+                   "rope/cache write" if "rope_cache_write" in n else
                    "attention" if any(w in n for w in ("fmha", "attention", "flash")) else
                    "triton (compiled)" if "triton" in n else
                    "index/gather" if "index" in n else "other")
             c = classes.setdefault(cls, [0.0, 0])
             c[0] += t / 1e3 / reps
             c[1] += e.count / reps
-        row = {"model": shape, "B": B, "T": T, "attention": graph.attention,
+        row = {"model": shape, "B": B, "T": T, "attention": variant_label(attention, graph),
                "classes": {k: {"ms": v[0], "kernels": v[1]} for k, v in classes.items()}}
         out.append(row)
-        log(f"profile[{graph.attention}] {shape} B={B} T={T}: " + ", ".join(f"{k} {v[0]:.2f} ms/{v[1]:.0f} kernels" for k, v in
+        log(f"profile[{variant_label(attention, graph)}] {shape} B={B} T={T}: " + ", ".join(f"{k} {v[0]:.2f} ms/{v[1]:.0f} kernels" for k, v in
                                                          sorted(classes.items(), key=lambda kv: -kv[1][0])))
     del graph, runner
     free()
@@ -343,6 +363,11 @@ def run_steps(args, result: dict, save: Callable[[], None]) -> None:
                 result.setdefault("errors", []).append(f"ours[{attention}] {shape}: {traceback.format_exc()}")
                 log(traceback.format_exc())
             save()
+    from pipeline.models.skinny_linear import chosen
+    result["linear_choices"] = chosen()  # what linear='auto' picked per shape, with its timings
+    for name, c in result["linear_choices"].items():
+        t = c["timings_ms"]
+        log(f"linear {name}: {c['choice']} ({min(t.values()):.4f} ms; torch {t.get('torch', float('nan')):.4f} ms)")
     result["profile"] = []
     for attention in attentions:
         try:
@@ -352,8 +377,8 @@ def run_steps(args, result: dict, save: Callable[[], None]) -> None:
             result.setdefault("errors", []).append(f"profile[{attention}]: {traceback.format_exc()}")
             log(traceback.format_exc())
         save()
-    hf_batches = [int(b) for b in args.hf_batches.split(",")]
-    for shape in ("llama-8b", "llama-1b"):
+    hf_batches = [int(b) for b in args.hf_batches.split(",") if b.strip()]
+    for shape in ("llama-8b", "llama-1b") if hf_batches else ():
         try:
             model = hf_model(shape)
             rows += bench_hf_eager(model, shape, hf_batches, Ts, args.context)
@@ -365,6 +390,8 @@ def run_steps(args, result: dict, save: Callable[[], None]) -> None:
             free()
         save()
     for shape, how in (("llama-8b", "generate"), ("llama-8b", "direct"), ("llama-1b", "generate")):
+        if not hf_batches:
+            break
         left = args.budget_s - elapsed()
         if left < 40:
             result.setdefault("errors", []).append(f"hf-compiled {shape} {how}: skipped (time budget)")
@@ -550,7 +577,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", default="auto",
                    help="(steps part) comma-separated graph attention variants to time: auto, triton, sdpa "
                         "(e.g. triton,sdpa: before/after in one run; the first one's checks keep their names)")
-    p.add_argument("--hf-batches", default="1,8,32")
+    p.add_argument("--hf-batches", default="1,8,32", help="Hugging Face baselines' batches ('' skips HF)")
     p.add_argument("--budget-s", type=float, default=480.0, help="skip optional HF compiled runs past this")
     p.add_argument("--gguf", default=None,
                    help="the demo target's GGUF file (demo part), or its converted folder (concurrent part)")

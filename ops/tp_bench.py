@@ -25,11 +25,15 @@ Also timed: the eager runner (B=1, T=1), and "driven" steps, the way a serving r
 floor = (this rank's weights read once + its KV heads read and written) / copy bandwidth of one card
 (a large device-to-device copy: bytes read + written over time), so at TP=N it is the floor "across the N
 cards". Logits: the decode and verify logits of TP=N against TP=1 at the same inputs (8B, exact init).
+`--allreduce symm,nccl` times each all-reduce kind of the graph path (`pipeline.models.tp_allreduce`) in the
+same processes; the checks read the first kind listed, and the second kind's logits must equal the first's.
+`--linear` picks the graph runner's few-row linears (`GraphConfig.linear`, default auto: tuned per shape).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -182,73 +186,90 @@ def bench_rank(rank: int, world: int, init_method: str, shape: str, args: argpar
     if cuda:
         torch.cuda.synchronize()
     rec["build_s"] = time.perf_counter() - t0
-    cfg = GraphConfig(graphs=cuda, compile=cuda and not args.no_compile)
-    fast = tensor_parallel_graphs(runner, cfg) if world > 1 else GraphCausalLM(runner, cfg)
+    cfg = GraphConfig(graphs=cuda, compile=cuda and not args.no_compile, linear=args.linear)
     batches = [int(b) for b in args.batches.split(",")]
     Ts = [1, args.k + 1]
-    fast.allocate(max(batches), args.context + 256)
     la = runner.args  # this rank's shard
     elsize = 2  # bf16
     weights = sum(p.numel() for n, p in runner.model.named_parameters() if n != "tok_embeddings.weight") * elsize
     kv_per_token = la.n_layers * 2 * la.n_kv_heads * la.head_dim * elsize
-    rec.update(weight_bytes=weights, kv_bytes_per_token=kv_per_token)
+    rec.update(weight_bytes=weights, kv_bytes_per_token=kv_per_token, linear=args.linear)
     log(f"{shape} TP={world} rank {rank}: built in {rec['build_s']:.1f} s ({weights / 1e9:.2f} GB of weights read per "
         f"step), copy {rec['copy_GBps']:.0f} GB/s")
 
     g = torch.Generator().manual_seed(args.seed)  # the same inputs on every rank and at every N
     V = a.vocab_size
     prompts = torch.randint(0, V, (max(batches), args.context), generator=g)
-    for b in range(max(batches)):  # prefill every slot (eager path): the cache is the same model's at any N
-        fast.forward(prompts[b : b + 1], torch.tensor([0]), torch.tensor([b]), args.context - 1)
     step_tokens = torch.randint(0, V, (max(batches), max(Ts)), generator=g)
-
-    # Logits at the same inputs (compared across N by the launcher).
+    variants = [v.strip() for v in args.allreduce.split(",")] if world > 1 else ["-"]
     logits = {}
-    for T in Ts:
-        out = fast.forward(step_tokens[:1, :T], torch.tensor([args.context]), torch.tensor([0]))
-        logits[f"T{T}"] = out.float().cpu()
-
-    for B in batches:
+    for vi, variant in enumerate(variants):
+        fast = tensor_parallel_graphs(runner, cfg, variant) if world > 1 else GraphCausalLM(runner, cfg)
+        resolved = getattr(fast, "allreduce", "-")
+        fast.allocate(max(batches), args.context + 256)
+        for b in range(max(batches)):  # prefill every slot (eager path): the cache is the same model's at any N
+            fast.forward(prompts[b : b + 1], torch.tensor([0]), torch.tensor([b]), args.context - 1)
+        # Logits at the same inputs (compared across N by the launcher; the first variant's are the TP=N ones).
         for T in Ts:
-            tokens = step_tokens[:B, :T]
-            positions = torch.full((B,), args.context, dtype=torch.int64)  # host tensors, as the engine passes
-            slots = torch.arange(B)
-            t = time.perf_counter()
-            fast.forward(tokens, positions, slots)
-            if cuda:
-                torch.cuda.synchronize()
-            first_s = time.perf_counter() - t
-            step = time_fn(lambda: fast.forward(tokens, positions, slots), cuda, iters=args.iters)
-            row = {"B": B, "T": T, "ms": step["median_ms"], "p90_ms": step["p90_ms"], "first_call_s": first_s}
-            entry = fast._graphs.get(plan_shape(B, T, args.context, fast.max_len, fast.config))
-            if entry is not None and entry.graph is not None:
-                row["replay_ms"] = time_fn(entry.graph.replay, cuda, iters=args.iters)["median_ms"]
-            if B == 1 and T == 1:
-                row["eager_ms"] = time_fn(lambda: runner.forward(tokens, positions, slots), cuda, iters=10)["median_ms"]
-            kv = B * (args.context + T) * kv_per_token + B * T * kv_per_token
-            row["floor_ms"] = (weights + kv) / (rec["copy_GBps"] * 1e9) * 1e3 if cuda else None
-            rec["rows"].append(row)
-            if rank == 0:
-                log(f"{shape} TP={world} B={B} T={T}: {row['ms']:.3f} ms (replay {row.get('replay_ms', float('nan')):.3f},"
-                    f" floor {row['floor_ms'] or float('nan'):.3f}, eager {row.get('eager_ms', float('nan')):.2f})")
+            out = fast.forward(step_tokens[:1, :T], torch.tensor([args.context]), torch.tensor([0]))
+            key = f"T{T}" if vi == 0 else f"{resolved}:T{T}"
+            logits[key] = out.float().cpu()
+            if vi > 0:  # a second all-reduce kind must give the first one's logits (both sum in a fixed order)
+                rec.setdefault("variant_logits_max_diff", {})[key] = float((logits[key] - logits[f"T{T}"]).abs().max())
 
-    if world > 1:  # driven steps: rank 0 broadcasts each call, the others follow
-        if rank == 0:
-            leader = TensorParallelRunner(fast, tp, heartbeat_s=None)
+        vrows: list[dict] = []  # this variant's rows
+        for B in batches:
             for T in Ts:
-                tokens, positions, slots = step_tokens[:1, :T], torch.tensor([args.context]), torch.tensor([0])
+                tokens = step_tokens[:B, :T]
+                positions = torch.full((B,), args.context, dtype=torch.int64)  # host tensors, as the engine passes
+                slots = torch.arange(B)
+                t = time.perf_counter()
+                fast.forward(tokens, positions, slots)
+                if cuda:
+                    torch.cuda.synchronize()
+                first_s = time.perf_counter() - t
+                step = time_fn(lambda: fast.forward(tokens, positions, slots), cuda, iters=args.iters)
+                row = {"B": B, "T": T, "ms": step["median_ms"], "p90_ms": step["p90_ms"], "first_call_s": first_s,
+                       "allreduce": resolved}
+                entry = fast._graphs.get(plan_shape(B, T, args.context, fast.max_len, fast.config))
+                if entry is not None and entry.graph is not None:
+                    row["replay_ms"] = time_fn(entry.graph.replay, cuda, iters=args.iters)["median_ms"]
+                if B == 1 and T == 1 and vi == 0:
+                    row["eager_ms"] = time_fn(lambda: runner.forward(tokens, positions, slots), cuda, iters=10)["median_ms"]
+                kv = B * (args.context + T) * kv_per_token + B * T * kv_per_token
+                row["floor_ms"] = (weights + kv) / (rec["copy_GBps"] * 1e9) * 1e3 if cuda else None
+                rec["rows"].append(row)
+                vrows.append(row)
+                if rank == 0:
+                    log(f"{shape} TP={world} [{resolved}] B={B} T={T}: {row['ms']:.3f} ms (replay "
+                        f"{row.get('replay_ms', float('nan')):.3f}, floor {row['floor_ms'] or float('nan'):.3f}, "
+                        f"eager {row.get('eager_ms', float('nan')):.2f})")
 
-                def call() -> None:
-                    leader.forward(tokens, positions, slots)
-                    if cuda:
-                        torch.cuda.synchronize()
+        if world > 1:  # driven steps: rank 0 broadcasts each call, the others follow
+            if rank == 0:
+                leader = TensorParallelRunner(fast, tp, heartbeat_s=None)
+                for T in Ts:
+                    tokens, positions, slots = step_tokens[:1, :T], torch.tensor([args.context]), torch.tensor([0])
 
-                ms = time_fn(call, cuda=False, iters=args.iters)["median_ms"]
-                next(r for r in rec["rows"] if (r["B"], r["T"]) == (1, T))["driven_ms"] = ms
-                log(f"{shape} TP={world} driven B=1 T={T}: {ms:.3f} ms")
-            leader.close()
-        else:
-            follow(fast, tp)
+                    def call() -> None:
+                        leader.forward(tokens, positions, slots)
+                        if cuda:
+                            torch.cuda.synchronize()
+
+                    ms = time_fn(call, cuda=False, iters=args.iters)["median_ms"]
+                    next(r for r in vrows if (r["B"], r["T"]) == (1, T))["driven_ms"] = ms
+                    log(f"{shape} TP={world} [{resolved}] driven B=1 T={T}: {ms:.3f} ms")
+                leader.close()
+            else:
+                follow(fast, tp)
+        if vi < len(variants) - 1:
+            del fast, entry
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+    if cuda:
+        from pipeline.models.skinny_linear import chosen
+        rec["linear_choices"] = chosen()
 
     if rank == 0:
         out = Path(args.out)
@@ -269,8 +290,6 @@ def bench_rank(rank: int, world: int, init_method: str, shape: str, args: argpar
         import torch.distributed as dist
 
         dist.barrier()
-        if own_group:
-            dist.destroy_process_group()
 
 
 def _spawned(rank: int, world: int, init_method: str, shape: str, args: argparse.Namespace) -> None:
@@ -279,6 +298,11 @@ def _spawned(rank: int, world: int, init_method: str, shape: str, args: argparse
     except BaseException:
         traceback.print_exc()
         raise
+    # Leave without tearing the process group or the captured graphs down: NCCL's shutdown with live CUDA graphs
+    # hung past the launcher's timeout on 4xH200 (2026-11-26). Every result is on disk by now (barrier above).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -319,6 +343,7 @@ def launch(shape: str, world: int, args: argparse.Namespace) -> str | None:
 
 
 def _row(recs: dict, shape: str, tp: int, B: int, T: int) -> dict | None:
+    """The (B, T) row of the first all-reduce kind timed (the checks' figure; the table lists every kind)."""
     rec = recs.get((shape, tp))
     return next((r for r in rec["rows"] if (r["B"], r["T"]) == (B, T)), None) if rec else None
 
@@ -334,14 +359,14 @@ def table(out: Path) -> str:
     any_rec = next(iter(recs.values()))
     lines = [f"card: {any_rec['card']}; torch {any_rec['torch']}; copy bandwidth per card "
              f"{f(any_rec['copy_GBps'], 0)} GB/s",
-             "| model | TP | B | T | step ms | x TP=1 | floor ms | x floor | replay ms | driven ms | eager ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | TP | all-reduce | B | T | step ms | x TP=1 | floor ms | x floor | replay ms | driven ms | eager ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (shape, tp), rec in sorted(recs.items(), key=lambda kv: (list(SHAPES).index(kv[0][0]), kv[0][1])):
         for r in rec["rows"]:
             base = _row(recs, shape, 1, r["B"], r["T"])
             rel = r["ms"] / base["ms"] if base else None
             xf = r["ms"] / r["floor_ms"] if r.get("floor_ms") else None
-            lines.append(f"| {shape} | {tp} | {r['B']} | {r['T']} | {f(r['ms'])} | {f(rel, 2)} | {f(r.get('floor_ms'))} |"
+            lines.append(f"| {shape} | {tp} | {r.get('allreduce', '-')} | {r['B']} | {r['T']} | {f(r['ms'])} | {f(rel, 2)} | {f(r.get('floor_ms'))} |"
                          f" {f(xf, 2)} | {f(r.get('replay_ms'))} | {f(r.get('driven_ms'))} | {f(r.get('eager_ms'), 2)} |")
     lines.append("")
     lines += [f"- {c['check']}: {f(c['value'])} (target {c['target']}): {c['state']}" for c in checks(out, recs)]
@@ -409,6 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--exact-init-gb", type=float, default=40.0,
                    help="models up to this size draw full tensors on every rank (TP=N == TP=1 model)")
     p.add_argument("--no-compile", action="store_true", help="graphs without torch.compile (faster start)")
+    p.add_argument("--allreduce", default="symm,nccl",
+                   help="all-reduce kinds to time at TP > 1 (pipeline.models.tp_allreduce: auto, nccl, symm)")
+    p.add_argument("--linear", default="auto", help="GraphConfig.linear: auto (tuned Triton/cuBLAS), torch, triton")
     p.add_argument("--no-fp32-ref", action="store_true", help="skip the float32 TP=1 logits (needs 4 bytes/param)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="per (shape, N) launch")
     args = p.parse_args(argv)

@@ -39,7 +39,9 @@ from torch import nn
 
 from pipeline.models.base import CausalLM
 from pipeline.models.decode_attention import resolve_attention, sdpa_mask, sdpa_slot_attention, triton_slot_attention
-from pipeline.models.llama import LlamaCausalLM, apply_rope
+from pipeline.models.llama import LlamaCausalLM
+from pipeline.models.rope_write import cache_rows, rope_split, triton_rope_write
+from pipeline.models.skinny_linear import linear, resolve_linear
 
 log = logging.getLogger(__name__)
 _fallback_warned: set[str] = set()
@@ -55,6 +57,11 @@ class GraphConfig:
     # "triton": split-KV kernel reading the cache in place; "sdpa": slot gather + masked SDPA (the reference);
     # "auto": triton on CUDA when it imports, else sdpa (pipeline.models.decode_attention)
     attention: str = "auto"
+    # Linears of few rows (pipeline.models.skinny_linear): "auto" times F.linear against a split-K Triton kernel
+    # once per shape on CUDA and keeps the faster; "torch": F.linear; "triton": the kernel (tests)
+    linear: str = "auto"
+    # RoPE + cache write as one Triton kernel (pipeline.models.rope_write); None: with the Triton attention
+    fused_rope: bool | None = None
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int | None:
@@ -85,6 +92,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
+def qkv_proj(
+    x: torch.Tensor,  # [B, T, C]
+    norm_w: torch.Tensor,  # [C]
+    wqkv: torch.Tensor,  # [(H + 2 Hkv) D, C]
+    bqkv: torch.Tensor | None,
+    eps: float,
+    linear_kind: str = "torch",
+) -> torch.Tensor:  # [B, T, (H + 2 Hkv) D]
+    return linear(rms_norm(x, norm_w, eps), wqkv, bqkv, linear_kind)
+
+
 def attn_in(
     x: torch.Tensor,  # [B, T, C]
     norm_w: torch.Tensor,  # [C]
@@ -95,16 +113,9 @@ def attn_in(
     eps: float,
     n_heads: int,
     n_kv_heads: int,
+    linear_kind: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [B, Hkv, G*T, D]; k, v [B*T*Hkv, D]
-    B, T, _ = x.shape
-    D = cos.shape[-1]
-    G = n_heads // n_kv_heads
-    qkv = F.linear(rms_norm(x, norm_w, eps), wqkv, bqkv)  # [B, T, (H + 2 Hkv) D]
-    q, k, v = qkv.split([n_heads * D, n_kv_heads * D, n_kv_heads * D], dim=-1)
-    q = apply_rope(q.view(B, T, n_heads, D), cos, sin)  # [B, T, H, D]; head h = j*G + g
-    k = apply_rope(k.view(B, T, n_kv_heads, D), cos, sin)  # [B, T, Hkv, D]
-    q = q.view(B, T, n_kv_heads, G, D).permute(0, 2, 3, 1, 4).reshape(B, n_kv_heads, G * T, D)
-    return q, k.reshape(B * T * n_kv_heads, D), v.reshape(B * T * n_kv_heads, D)
+    return rope_split(qkv_proj(x, norm_w, wqkv, bqkv, eps, linear_kind), cos, sin, n_heads, n_kv_heads)
 
 
 def attn_out_mlp(
@@ -118,18 +129,20 @@ def attn_out_mlp(
     w2: torch.Tensor,
     b2: torch.Tensor | None,
     eps: float,
+    linear_kind: str = "torch",
 ) -> torch.Tensor:  # [B, T, C]
     B, T, C = x.shape
     Hkv, GT, D = y.shape[1:]
     G = GT // T
     y = y.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hkv * G * D)  # [B, T, H*D]
-    x = x + F.linear(y, wo, bo)
-    gate, up = F.linear(rms_norm(x, norm_w, eps), w13, b13).chunk(2, dim=-1)  # [B, T, I] each
-    return x + F.linear(F.silu(gate) * up, w2, b2)
+    x = x + linear(y, wo, bo, linear_kind)
+    gate, up = linear(rms_norm(x, norm_w, eps), w13, b13, linear_kind).chunk(2, dim=-1)  # [B, T, I] each
+    return x + linear(F.silu(gate) * up, w2, b2, linear_kind)
 
 
-def final_logits(x: torch.Tensor, norm_w: torch.Tensor, w_out: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.linear(rms_norm(x, norm_w, eps), w_out).float()  # [B, T, V] float32
+def final_logits(x: torch.Tensor, norm_w: torch.Tensor, w_out: torch.Tensor, eps: float,
+                 linear_kind: str = "torch") -> torch.Tensor:
+    return linear(rms_norm(x, norm_w, eps), w_out, None, linear_kind).float()  # [B, T, V] float32
 
 
 @dataclass
@@ -193,6 +206,7 @@ class GraphCausalLM:
         if self.use_graphs and not on_cuda:
             raise ValueError(f"CUDA graphs need a CUDA model, this one is on {self.device}")
         self.attention = resolve_attention(cfg.attention, self.device)
+        self.linear_kind = resolve_linear(cfg.linear, self.device)
         self.stats = GraphStats()
         self._graphs: dict[tuple[int, int, int], _Graph] = {}
         self._pool = None
@@ -207,7 +221,9 @@ class GraphCausalLM:
                 layer.ffn_norm.weight, w13, b13, ff.w2.weight, ff.w2.bias,
             ))
         self._attn_in: Callable = attn_in
+        self._qkv_proj: Callable = qkv_proj
         self._attn_out_mlp: Callable = attn_out_mlp
+        self._final_logits: Callable = final_logits
         if use_compile:
             # Sizes 1 are specialised (decode T = 1, batch 1) and every model shape compiles its own versions:
             # allow more than dynamo's default 8 versions per function.
@@ -215,7 +231,9 @@ class GraphCausalLM:
             name = "recompile_limit" if hasattr(dyn, "recompile_limit") else "cache_size_limit"
             setattr(dyn, name, max(getattr(dyn, name), 64))
             self._attn_in = torch.compile(attn_in, fullgraph=True)
+            self._qkv_proj = torch.compile(qkv_proj, fullgraph=True)
             self._attn_out_mlp = torch.compile(attn_out_mlp, fullgraph=True)
+            self._final_logits = torch.compile(final_logits, fullgraph=True)
         self._bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._outs: dict[tuple[int, int], torch.Tensor] = {}  # (Bb, Tb) -> static logits, shared by every Sb
         if runner.num_slots > 0:
@@ -296,6 +314,7 @@ class GraphCausalLM:
             log.warning("Triton slot attention failed for shape %s; using SDPA attention from now on", shape,
                         exc_info=True)
             self.attention = "sdpa"
+            self.linear_kind = "torch" if self.config.linear == "auto" else self.linear_kind
             return self._capture(shape)
 
     def _capture(self, shape: tuple[int, int, int]) -> _Graph:
@@ -338,28 +357,33 @@ class GraphCausalLM:
         B, T = tokens.shape
         Hkv, D, L = a.n_kv_heads, a.head_dim, self.max_len
         G = a.n_heads // Hkv
+        lk = self.linear_kind
         pos = positions[:, None] + self._arange[:T]  # [B, T]
-        cos = self.runner._cos[pos].unsqueeze(2)  # [B, T, 1, D]
-        sin = self.runner._sin[pos].unsqueeze(2)
         scale = 1.0 / math.sqrt(D)  # SDPA's default
         triton = self.attention == "triton"
+        fused_rope = triton if self.config.fused_rope is None else self.config.fused_rope
+        if not fused_rope:
+            cos = self.runner._cos[pos].unsqueeze(2)  # [B, T, 1, D]
+            sin = self.runner._sin[pos].unsqueeze(2)
+            rows = cache_rows(slots, pos, Hkv, L)  # [B * T * Hkv], in k/v order
         mask = None if triton else sdpa_mask(pos, S, G, a.sliding_window, self.dtype)  # [B, 1, G*T, S]
-        # Row of the flattened cache [num_slots * Hkv * L, D] that token (b, t), KV head j writes.
-        rows = (slots[:, None, None] * Hkv + self._arange[:Hkv]) * L + pos[:, :, None]  # [B, T, Hkv]
-        rows = rows.reshape(-1)
 
         x = self.runner.model.tok_embeddings(tokens)  # [B, T, C]
         for w, k_cache, v_cache in zip(self._layers, self.runner.k_caches, self.runner.v_caches):
-            q, k, v = self._attn_in(x, w.attn_norm, w.wqkv, w.bqkv, cos, sin, a.norm_eps, a.n_heads, Hkv)
-            k_cache.view(-1, D).index_copy_(0, rows, k)
-            v_cache.view(-1, D).index_copy_(0, rows, v)
+            if fused_rope:
+                qkv = self._qkv_proj(x, w.attn_norm, w.wqkv, w.bqkv, a.norm_eps, lk)
+                q = triton_rope_write(qkv, self.runner._cos, self.runner._sin, pos, slots, k_cache, v_cache, a.n_heads)
+            else:
+                q, k, v = self._attn_in(x, w.attn_norm, w.wqkv, w.bqkv, cos, sin, a.norm_eps, a.n_heads, Hkv, lk)
+                k_cache.view(-1, D).index_copy_(0, rows, k)
+                v_cache.view(-1, D).index_copy_(0, rows, v)
             if triton:
                 y = triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, a.sliding_window)
             else:
                 y = sdpa_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, a.sliding_window, mask)
-            x = self._attn_out_mlp(x, y, w.wo, w.bo, w.ffn_norm, w.w13, w.b13, w.w2, w.b2, a.norm_eps)
+            x = self._attn_out_mlp(x, y, w.wo, w.bo, w.ffn_norm, w.w13, w.b13, w.w2, w.b2, a.norm_eps, lk)
         m = self.runner.model
-        out.copy_(final_logits(x, m.norm.weight, m.output.weight, a.norm_eps))
+        out.copy_(self._final_logits(x, m.norm.weight, m.output.weight, a.norm_eps, lk))
 
 
 def maybe_graphs(model: CausalLM, config: GraphConfig | None = None) -> CausalLM:

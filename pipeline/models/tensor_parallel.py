@@ -563,13 +563,16 @@ def follow(runner: Any, tp: TPContext) -> None:
 # The static-shape (CUDA graph) path over a sharded runner
 
 
-def tensor_parallel_graphs(runner: LlamaCausalLM, config: Any = None) -> Any:
+def tensor_parallel_graphs(runner: LlamaCausalLM, config: Any = None, allreduce: str = "auto") -> Any:
     """`pipeline.models.graphs.GraphCausalLM` over a sharded runner (every rank wraps its runner the same
     way, so captures happen in lockstep). The graph path calls its attention-output/MLP math on raw weights,
-    bypassing the modules' all_reduce hooks: that function is swapped for one with the two all_reduces. Its
-    static logits come from the local output rows; they are gathered here, after the graph (one all_gather
-    per call). The embedding module does its own all_reduce inside the graph."""
+    bypassing the modules' all_reduce hooks: that function is swapped for one with the two all-reduces
+    (`pipeline.models.tp_allreduce`, `allreduce` = auto | nccl | symm; the wrapper's `allreduce` attribute
+    says what it resolved to). Its static logits come from the local output rows; they are gathered here,
+    after the graph (one all_gather per call). The embedding module does its own all_reduce inside the graph."""
     from pipeline.models import graphs
+    from pipeline.models.skinny_linear import linear
+    from pipeline.models.tp_allreduce import make_reducer
 
     plan: ShardPlan = runner.model.shard_plan
     group = runner.model.output.group
@@ -588,21 +591,23 @@ def tensor_parallel_graphs(runner: LlamaCausalLM, config: Any = None) -> Any:
 
     g = TensorParallelGraphs(runner, config)
 
-    def attn_proj(y: torch.Tensor, wo: torch.Tensor, bo: Optional[torch.Tensor], T: int) -> torch.Tensor:
+    def attn_proj(y: torch.Tensor, wo: torch.Tensor, bo: Optional[torch.Tensor], T: int, lk: str) -> torch.Tensor:
         B, Hkv, GT, D = y.shape  # [B, Hkv, G*T, D] -> [B, T, H*D] (query index g*T + t)
         y = y.view(B, Hkv, GT // T, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, -1)
-        return F.linear(y, wo, bo)  # [B, T, C] partial sum
+        return linear(y, wo, bo, lk)  # [B, T, C] partial sum
 
-    def mlp(x, norm_w, w13, b13, w2, b2, eps: float) -> torch.Tensor:
-        gate, up = F.linear(graphs.rms_norm(x, norm_w, eps), w13, b13).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, w2, b2)  # [B, T, C] partial sum
+    def mlp(x, norm_w, w13, b13, w2, b2, eps: float, lk: str) -> torch.Tensor:
+        gate, up = linear(graphs.rms_norm(x, norm_w, eps), w13, b13, lk).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, w2, b2, lk)  # [B, T, C] partial sum
 
     if g._attn_in is not graphs.attn_in:  # the wrapper compiles its pointwise work: compile ours too
         attn_proj, mlp = (torch.compile(f, fullgraph=True) for f in (attn_proj, mlp))
 
-    def attn_out_mlp(x, y, wo, bo, norm_w, w13, b13, w2, b2, eps):  # [B, T, C]
-        x = x + all_reduce_(attn_proj(y, wo, bo, x.shape[1]), group)
-        return x + all_reduce_(mlp(x, norm_w, w13, b13, w2, b2, eps), group)
+    reduce, g.allreduce = make_reducer(allreduce, group, runner.device, runner.dtype)
+
+    def attn_out_mlp(x, y, wo, bo, norm_w, w13, b13, w2, b2, eps, lk: str = "torch"):  # [B, T, C]
+        x = x + reduce(attn_proj(y, wo, bo, x.shape[1], lk))
+        return x + reduce(mlp(x, norm_w, w13, b13, w2, b2, eps, lk))
 
     assert hasattr(g, "_attn_out_mlp"), "graphs.GraphCausalLM changed: update tensor_parallel_graphs"
     g._attn_out_mlp = attn_out_mlp

@@ -1,0 +1,88 @@
+"""RoPE plus the KV-cache write of a decode/verify step, for the static-shape graph path (`graphs.py`).
+
+Input: the fused q/k/v projection `qkv [B, T, (H + 2 Hkv) D]` of B rows of T tokens at positions `pos [B, T]`,
+row b owning cache slot `slots[b]`. Output: the rotated queries stacked per KV head, `q [B, Hkv, G*T, D]`
+(query index g*T + t, as `decode_attention` takes them); the rotated keys and the values are written into
+`k_cache`/`v_cache [num_slots, Hkv, max_len, D]` at `[slots[b], :, pos[b, t]]`.
+
+- `torch_rope_write`: the reference (split, `apply_rope`, permute, two `index_copy_`).
+- `triton_rope_write`: one Triton launch (`rope_write_triton`), float32 math and one rounding (as
+  `torch.compile` computes the reference's pointwise work). CPU tensors need Triton's interpreter (tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipeline.models.decode_attention import _pow2
+from pipeline.models.llama import apply_rope
+
+
+def rope_split(
+    qkv: torch.Tensor,  # [B, T, (H + 2 Hkv) D]
+    cos: torch.Tensor,  # [B, T, 1, D]
+    sin: torch.Tensor,
+    n_heads: int,
+    n_kv_heads: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [B, Hkv, G*T, D]; k, v [B*T*Hkv, D]
+    """Split the fused projection, rotate q and k, stack the queries per KV head (pure: no cache write)."""
+    B, T, _ = qkv.shape
+    D = cos.shape[-1]
+    G = n_heads // n_kv_heads
+    q, k, v = qkv.split([n_heads * D, n_kv_heads * D, n_kv_heads * D], dim=-1)
+    q = apply_rope(q.reshape(B, T, n_heads, D), cos, sin)  # [B, T, H, D]; head h = j*G + g
+    k = apply_rope(k.reshape(B, T, n_kv_heads, D), cos, sin)  # [B, T, Hkv, D]
+    q = q.view(B, T, n_kv_heads, G, D).permute(0, 2, 3, 1, 4).reshape(B, n_kv_heads, G * T, D)
+    return q, k.reshape(B * T * n_kv_heads, D), v.reshape(B * T * n_kv_heads, D)
+
+
+def cache_rows(slots: torch.Tensor, pos: torch.Tensor, n_kv_heads: int, max_len: int) -> torch.Tensor:
+    """Row of the flattened cache `[num_slots * Hkv * max_len, D]` that token (b, t), KV head j writes,
+    in `rope_split`'s k/v order: [B * T * Hkv]."""
+    heads = torch.arange(n_kv_heads, device=pos.device)
+    return ((slots[:, None, None] * n_kv_heads + heads) * max_len + pos[:, :, None]).reshape(-1)
+
+
+def torch_rope_write(
+    qkv: torch.Tensor,  # [B, T, (H + 2 Hkv) D]
+    cos_table: torch.Tensor,  # [max_len, D]
+    sin_table: torch.Tensor,
+    pos: torch.Tensor,  # [B, T] int64
+    slots: torch.Tensor,  # [B] int64
+    k_cache: torch.Tensor,  # [num_slots, Hkv, max_len, D]
+    v_cache: torch.Tensor,
+    n_heads: int,
+) -> torch.Tensor:  # [B, Hkv, G*T, D]
+    _, Hkv, L, D = k_cache.shape
+    q, k, v = rope_split(qkv, cos_table[pos].unsqueeze(2), sin_table[pos].unsqueeze(2), n_heads, Hkv)
+    rows = cache_rows(slots, pos, Hkv, L)
+    k_cache.view(-1, D).index_copy_(0, rows, k)
+    v_cache.view(-1, D).index_copy_(0, rows, v)
+    return q
+
+
+def triton_rope_write(
+    qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int,
+) -> torch.Tensor:  # [B, Hkv, G*T, D]; same signature as torch_rope_write
+    from pipeline.models import rope_write_triton as kern
+
+    B, T, width = qkv.shape
+    _, Hkv, _, D = k_cache.shape
+    assert width == (n_heads + 2 * Hkv) * D, f"qkv width {width} != (H + 2 Hkv) D = {(n_heads + 2 * Hkv) * D}"
+    assert n_heads % Hkv == 0 and D % 2 == 0, (n_heads, Hkv, D)
+    assert qkv.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1 and cos_table.stride(1) == 1
+    assert sin_table.stride() == cos_table.stride(), "cos and sin tables must share strides"
+    if qkv.device.type != "cuda" and not kern.interpreted():
+        raise RuntimeError("triton_rope_write on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
+                           "before triton is first imported")
+    qkv2 = qkv.reshape(B * T, width)
+    q = torch.empty(B, Hkv, (n_heads // Hkv) * T, D, dtype=qkv.dtype, device=qkv.device)
+    kern.rope_cache_write_kernel[(B * T,)](
+        qkv2, cos_table, sin_table, pos, slots, k_cache, v_cache, q,
+        T, qkv2.stride(0), cos_table.stride(0), *pos.stride(),
+        *k_cache.stride()[:3], *v_cache.stride()[:3], *q.stride()[:3],
+        H=n_heads, HKV=Hkv, D=D, HALF_P=_pow2(D // 2), HEADS_P=_pow2(n_heads + Hkv), KV_P=_pow2(Hkv), D_P=_pow2(D),
+        num_warps=4,
+    )
+    return q

@@ -1,0 +1,77 @@
+"""Triton kernel of `pipeline.models.rope_write` (imported lazily: this module needs triton).
+
+`rope_cache_write_kernel`: grid (B * T,). A program takes one token row of the fused q/k/v projection output,
+rotates its query and key heads (RoPE, HF's rotate-half convention, float32 math, one rounding), writes the
+queries stacked per KV head (`q[b, h // G, (h % G) * T + t, :]`, the attention kernels' layout) and the
+rotated keys and the values into the row's slot of the cache at the token's position. It replaces the RoPE,
+permute and two `index_copy_` kernels of the reference path with one launch per layer.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rope_cache_write_kernel(
+    QKV, COS, SIN, POS, SLOTS, KC, VC, QOUT,
+    T,
+    s_qkv_r, s_cos, s_pb, s_pt,
+    s_kn, s_kh, s_kl,
+    s_vn, s_vh, s_vl,
+    s_ob, s_oh, s_om,
+    H: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    HALF_P: tl.constexpr,  # >= D // 2, a power of two
+    HEADS_P: tl.constexpr,  # >= H + HKV
+    KV_P: tl.constexpr,  # >= HKV
+    D_P: tl.constexpr,  # >= D
+):
+    r = tl.program_id(0)  # token row b * T + t
+    b = r // T
+    t = r % T
+    p = tl.load(POS + b * s_pb + t * s_pt).to(tl.int64)
+    slot = tl.load(SLOTS + b).to(tl.int64)
+    G: tl.constexpr = H // HKV
+    HALF: tl.constexpr = D // 2
+
+    j = tl.arange(0, HALF_P)
+    j_ok = j < HALF
+    c1 = tl.load(COS + p * s_cos + j, mask=j_ok, other=0.0).to(tl.float32)
+    c2 = tl.load(COS + p * s_cos + HALF + j, mask=j_ok, other=0.0).to(tl.float32)
+    s1 = tl.load(SIN + p * s_cos + j, mask=j_ok, other=0.0).to(tl.float32)
+    s2 = tl.load(SIN + p * s_cos + HALF + j, mask=j_ok, other=0.0).to(tl.float32)
+
+    hd = tl.arange(0, HEADS_P)  # q heads 0..H-1, then k heads H..H+HKV-1
+    h_ok = hd < H + HKV
+    row = QKV + r * s_qkv_r + hd[:, None] * D
+    ld = h_ok[:, None] & j_ok[None, :]
+    x1 = tl.load(row + j[None, :], mask=ld, other=0.0).to(tl.float32)
+    x2 = tl.load(row + HALF + j[None, :], mask=ld, other=0.0).to(tl.float32)
+    o1 = x1 * c1[None, :] - x2 * s1[None, :]  # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1)
+    o2 = x2 * c2[None, :] + x1 * s2[None, :]
+
+    is_q = hd < H
+    q_row = QOUT + b * s_ob + (hd // G) * s_oh + ((hd % G) * T + t) * s_om
+    st = is_q[:, None] & j_ok[None, :]
+    tl.store(q_row[:, None] + j[None, :], o1.to(QOUT.dtype.element_ty), mask=st)
+    tl.store(q_row[:, None] + HALF + j[None, :], o2.to(QOUT.dtype.element_ty), mask=st)
+
+    is_k = (hd >= H) & h_ok
+    k_row = KC + slot * s_kn + (hd - H) * s_kh + p * s_kl
+    st = is_k[:, None] & j_ok[None, :]
+    tl.store(k_row[:, None] + j[None, :], o1.to(KC.dtype.element_ty), mask=st)
+    tl.store(k_row[:, None] + HALF + j[None, :], o2.to(KC.dtype.element_ty), mask=st)
+
+    vh = tl.arange(0, KV_P)
+    d = tl.arange(0, D_P)
+    vm = (vh < HKV)[:, None] & (d < D)[None, :]
+    v = tl.load(QKV + r * s_qkv_r + (H + HKV) * D + vh[:, None] * D + d[None, :], mask=vm, other=0.0)
+    tl.store(VC + slot * s_vn + vh[:, None] * s_vh + p * s_vl + d[None, :], v.to(VC.dtype.element_ty), mask=vm)
+
+
+def interpreted() -> bool:
+    """Whether this kernel runs in Triton's CPU interpreter (TRITON_INTERPRET=1 before triton's import)."""
+    return not isinstance(rope_cache_write_kernel, triton.runtime.JITFunction)

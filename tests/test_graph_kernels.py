@@ -1,0 +1,111 @@
+"""The graph path's skinny-linear and fused RoPE/cache-write kernels (`pipeline.models.skinny_linear`,
+`pipeline.models.rope_write`).
+
+Always: the configuration planning of the linear kernel, the dispatch ('torch' is F.linear, rows past MAX_ROWS
+fall back), and the RoPE reference against the eager model's own attention input. Under Triton's CPU
+interpreter (skipped without triton; one child process, see tests/_decode_attention_cases.py): the linear
+kernel against F.linear (1 to 40 rows, ragged N and K, bias, 1 to 8 splits, a transposed input, fp32/bf16/
+fp16), the fused RoPE/cache write against the reference (GQA, MHA, MQA, T = 1..5, an odd head_dim, and no
+write outside the rows' positions), and a tiny model's static path with every kernel on against the
+reference path and the eager runner. The GPU timings are ops/check_skinny_linear.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import _graph_kernel_cases as cases
+from pipeline.models import skinny_linear as sl
+from pipeline.models.rope_write import torch_rope_write
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+@pytest.mark.parametrize("M,N,K,sms", [(1, 4096, 4096, 132), (1, 1536, 4096, 132), (5, 128256, 4096, 132),
+                                      (16, 512, 14336, 108), (64, 96, 256, 8)])
+def test_configs_cover_the_shape(M, N, K, sms):
+    configs = sl.candidates(M, N, K, sms) + [sl.default_config(M, N, K, sms)]
+    assert configs
+    for c in configs:
+        depth = sl._split_depth(K, c.splits, c.block_k)
+        assert depth % c.block_k == 0 and depth * c.splits >= K  # the splits cover K in whole tiles
+        assert -(-K // depth) <= c.splits
+        assert 2 <= c.num_stages <= 4
+        per_stage = (c.block_k * c.block_n + sl.m_pad(M) * c.block_k) * 2
+        assert c.num_stages * per_stage <= max(sl._SMEM_BUDGET, 2 * per_stage)
+
+
+def test_default_config_splits_k_only_when_columns_are_few():
+    assert sl.default_config(1, 128256, 4096, 132).splits == 1
+    small = sl.default_config(1, 1536, 4096, 132)
+    assert small.block_n == 16 and small.splits > 1
+
+
+def test_linear_dispatch():
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(2, 3, 8, generator=g), torch.randn(5, 8, generator=g), torch.randn(5, generator=g)
+    torch.testing.assert_close(sl.linear(x, w, b, "torch"), torch.nn.functional.linear(x, w, b))
+    many = torch.randn(sl.MAX_ROWS + 1, 8, generator=g)  # past MAX_ROWS: F.linear whatever the kind
+    torch.testing.assert_close(sl.linear(many, w, b, "triton"), torch.nn.functional.linear(many, w, b))
+    assert sl.resolve_linear("auto", torch.device("cpu")) == "torch"
+    with pytest.raises(ValueError, match="linear must be one of"):
+        sl.resolve_linear("cublas", torch.device("cpu"))
+
+
+def test_rope_reference_matches_the_eager_attention():
+    """torch_rope_write writes what the eager runner's attention layer writes, and returns its rotated queries."""
+    from dataclasses import replace
+
+    from pipeline.models.graphs import GraphCausalLM, GraphConfig
+    from pipeline.models.shapes import SHAPES, random_llama
+
+    args = replace(SHAPES["llama-1b"], dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16,
+                   intermediate_size=128, vocab_size=128)
+    eager = random_llama(args, "cpu", torch.float32, seed=1)
+    graph = GraphCausalLM(random_llama(args, "cpu", torch.float32, seed=1),
+                          GraphConfig(graphs=False, compile=False, attention="sdpa", linear="torch", fused_rope=False))
+    eager.allocate(3, 32)
+    graph.allocate(2, 32)  # + its scratch slot: the same 3 slots
+    tokens = torch.randint(0, 128, (2, 3), generator=torch.Generator().manual_seed(2))
+    positions, slots = torch.tensor([4, 9]), torch.tensor([1, 0])
+    eager.forward(tokens, positions, slots)
+    graph.forward(tokens, positions, slots)
+    for slot, p in ((1, 4), (0, 9)):
+        for a, b in ((eager.k_caches[0], graph.runner.k_caches[0]), (eager.v_caches[0], graph.runner.v_caches[0])):
+            torch.testing.assert_close(a[slot, :, p : p + 3], b[slot, :, p : p + 3])
+    # and the reference itself against that cache write
+    qkv = torch.randn(2, 3, (4 + 2 * 2) * 16, generator=torch.Generator().manual_seed(3))
+    k, v = torch.zeros(3, 2, 32, 16), torch.zeros(3, 2, 32, 16)
+    pos = positions[:, None] + torch.arange(3)
+    q = torch_rope_write(qkv, graph.runner._cos, graph.runner._sin, pos, slots, k, v, 4)
+    assert q.shape == (2, 2, 2 * 3, 16)
+    torch.testing.assert_close(v[1, :, 4:7], qkv[0, :, 6 * 16 :].reshape(3, 2, 16).transpose(0, 1))
+    assert k[2].abs().sum() == 0 and v[2].abs().sum() == 0  # the unused slot is untouched
+
+
+@pytest.fixture(scope="module")
+def interpreted_results():
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+               PYTHONPATH=path)
+    proc = subprocess.run([sys.executable, str(Path(cases.__file__))], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (its CPU interpreter)")
+@pytest.mark.parametrize("case", [c[0] for c in cases.LINEAR_CASES + cases.ROPE_CASES] + cases.GRAPH_CASES)
+def test_kernel_matches_reference_in_the_interpreter(interpreted_results, case):
+    r = interpreted_results[case]
+    assert "error" not in r, r["error"]
+    assert r["ok"] and r["err"] <= r["tol"], r
