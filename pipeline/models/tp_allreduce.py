@@ -8,7 +8,7 @@ batch 1): the cost is latency, not bandwidth. Kinds:
   rank copies its partial into a buffer its peers can read over NVLink, and one kernel on each rank reads all
   N buffers and sums them in rank order (so every rank holds bit-identical sums). One launch, no NCCL protocol.
   Only peer-to-peer reads are used; never NVLink multicast. Inputs past `max_bytes` (large prefill chunks),
-  or of another dtype, go to NCCL.
+  of another dtype, or not a whole number of 16-byte vectors go to NCCL.
 - "auto": "symm" on CUDA where symmetric memory sets up and passes a self-test at start, else "nccl" (said once).
 """
 
@@ -53,8 +53,8 @@ class SymmetricOneShot:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n = x.numel()
-        if n > self.max_numel or x.dtype != self.buf.dtype:
-            return self.fallback(x)
+        if n > self.max_numel or x.dtype != self.buf.dtype or (n * x.element_size()) % 16:
+            return self.fallback(x)  # too large, another dtype, or not whole 16-byte vectors (the kernel's unit)
         staged = self.buf[:n]
         staged.copy_(x.reshape(-1))
         return self._op(staged, "sum", self.group_name).view(x.shape)
@@ -63,7 +63,7 @@ class SymmetricOneShot:
         """Sum a rank-dependent tensor both ways (several sizes, twice each: the buffer is reused): a setup that
         does not sum exactly what NCCL sums is refused here, not met mid-request."""
         rank = dist.get_rank(self.group)
-        for n in (1, 4096, self.max_numel):
+        for n in (8, 4096, self.max_numel):
             for rep in range(2):
                 x = (torch.arange(n, device=self.buf.device) % 7 + rank + rep).to(self.buf.dtype)
                 want = self.fallback(x.clone())
