@@ -525,10 +525,17 @@ def run_concurrent(folder: str, args) -> dict:
     params = SamplingParams(max_tokens=args.max_tokens, seed=0)
     variants = {"off": (None, None), "fixed-K": (PromptLookupDrafter(), None),
                 "adaptive-K": (PromptLookupDrafter(), AdaptiveK(max_k=args.k))}
-    out: dict[str, Any] = {"requests": len(ids), "max_tokens": args.max_tokens, "dtype": args.demo_dtype, "k": args.k}
+    out: dict[str, Any] = {"requests": len(ids), "max_tokens": args.max_tokens, "dtype": args.demo_dtype, "k": args.k,
+                           "repeats": args.repeats}
     outputs = {}
-    for rep in ("warm-up", "timed"):
-        for name, (drafter, policy) in variants.items():
+    names = list(variants)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    # One warm-up round (captures, compilation, the policy's first measurements), then `repeats` timed rounds,
+    # each in a rotated order so that no variant always runs first or last (clock and thermal drift).
+    for rnd in range(args.repeats + 1):
+        order = names[rnd % len(names):] + names[: rnd % len(names)]
+        for name in order:
+            drafter, policy = variants[name]
             engine.drafter, engine.k_policy = drafter, policy
             sync()
             t0 = time.perf_counter()
@@ -538,12 +545,20 @@ def run_concurrent(folder: str, args) -> dict:
             tokens = sum(len(r.token_ids) for r in res)
             passes = sum(r.stats.get("target_passes") or 0 for r in res)
             outputs[name] = [r.token_ids for r in res]
-            if rep == "timed":
-                out[name] = {"tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt,
-                             "tokens_per_pass": tokens / passes if passes else None,
-                             "k_costs": {str(k): v for k, v in policy.costs(n).items()} if policy else None,
-                             "alpha": policy.alpha if policy else None}
-                log(f"concurrent {name}: {tokens} tokens in {dt:.2f} s = {tokens / dt:.0f} tok/s")
+            if rnd > 0:
+                runs[name].append({"tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt,
+                                   "tokens_per_pass": tokens / passes if passes else None})
+                log(f"concurrent round {rnd} {name}: {tokens} tokens in {dt:.2f} s = {tokens / dt:.0f} tok/s")
+    for name in names:
+        policy = variants[name][1]
+        tps = [r["tokens_per_s"] for r in runs[name]]
+        out[name] = {"tokens": runs[name][-1]["tokens"], "tokens_per_s": statistics.median(tps),
+                     "tokens_per_s_runs": tps, "tokens_per_pass": runs[name][-1]["tokens_per_pass"],
+                     "k_costs": {str(k): v for k, v in policy.costs(n).items()} if policy else None,
+                     "alpha": policy.alpha if policy else None}
+        if name != "off":  # paired: each round's ratio to that round's speculation-off run
+            out[name]["paired_ratio_median"] = statistics.median(
+                r["tokens_per_s"] / o["tokens_per_s"] for r, o in zip(runs[name], runs["off"]))
     out["outputs_equal"] = outputs["off"] == outputs["fixed-K"] == outputs["adaptive-K"]
     out["graph_stats"] = {"captures": engine.target.stats.captures, "graph_calls": engine.target.stats.graph_calls,
                           "eager_calls": engine.target.stats.eager_calls} if hasattr(engine.target, "stats") else None
@@ -551,13 +566,16 @@ def run_concurrent(folder: str, args) -> dict:
 
 
 def concurrent_table(c: dict) -> str:
-    lines = [f"{c['requests']} concurrent requests, max_tokens {c['max_tokens']}, {c['dtype']}, prompt lookup, K<={c['k']}:",
-             "| variant | tokens/s | tokens per target pass |", "|---|---|---|"]
+    lines = [f"{c['requests']} concurrent requests, max_tokens {c['max_tokens']}, {c['dtype']}, prompt lookup, K<={c['k']}, "
+             f"median of {c.get('repeats', 1)} rotated rounds:",
+             "| variant | tokens/s (median) | rounds | x off (paired median) | tokens per target pass |", "|---|---|---|---|---|"]
     for name in ("off", "fixed-K", "adaptive-K"):
         v = c.get(name)
         if v:
             tpp = "-" if v["tokens_per_pass"] is None else f"{v['tokens_per_pass']:.2f}"
-            lines.append(f"| {name} | {v['tokens_per_s']:.0f} | {tpp} |")
+            each = ", ".join(f"{t:.0f}" for t in v.get("tokens_per_s_runs", [v["tokens_per_s"]]))
+            ratio = v.get("paired_ratio_median")
+            lines.append(f"| {name} | {v['tokens_per_s']:.0f} | {each} | {'-' if ratio is None else f'{ratio:.3f}'} | {tpp} |")
     lines.append(f"outputs identical across variants: {c.get('outputs_equal')}")
     return "\n".join(lines)
 
@@ -585,6 +603,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--per-category", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrent", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3, help="(concurrent part) timed rounds after the warm-up round")
     p.add_argument("--demo-dtype", default="float32")
     p.add_argument("--device", default="cuda", help="(demo part) device of the engine and HF models")
 

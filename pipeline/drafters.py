@@ -41,6 +41,11 @@ class Drafter(Protocol):
         draft_top_k: int,
     ) -> DraftBlock: ...
 
+    def admit(self, request_id: str, context: Sequence[int]) -> None:
+        """Prepare a newly admitted request (prompt lookup: index its prompt; a model drafter: prefill its cache
+        with all but the last token), so that one-time per-request cost is paid with the target's prefill and
+        not inside a decode step, where the K policy would take it for the cost of speculating."""
+
     def release(self, request_id: str) -> None:
         """Forget a finished request (free its cache slot)."""
 
@@ -80,6 +85,9 @@ class PromptLookupDrafter:
                 start = int(hits[-1]) + n  # most recent match; its continuation starts here
                 return ctx[start : start + num].tolist()
         return []
+
+    def admit(self, request_id: str, context: Sequence[int]) -> None:
+        self.lookup(context, 0, key=request_id)  # builds the request's index over the prompt
 
     def propose(self, rows, k, sampling, steps, draft_top_k) -> DraftBlock:
         tokens = torch.zeros(len(rows), k, dtype=torch.int64)
@@ -158,6 +166,16 @@ class ModelDrafter:
         self._slots[request_id] = self._free.pop()
         self._fed[request_id] = []
         return self._slots[request_id]
+
+    @torch.inference_mode()
+    def admit(self, request_id: str, context: Sequence[int]) -> None:
+        if len(context) < 2:
+            return
+        slot = self._slot(request_id, {request_id})
+        prompt = torch.tensor([list(context[:-1])], dtype=torch.int64, device=self.device)
+        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.model.forward(prompt, zero, torch.tensor([slot], device=self.device), prompt.shape[1] - 1)
+        self._fed[request_id] = list(context[:-1])  # propose then feeds only the last token
 
     def release(self, request_id: str) -> None:
         slot = self._slots.pop(request_id, None)

@@ -152,3 +152,40 @@ def test_engine_marks_capturing_steps_untimed(tiny_models):
                                k_policy=policy)
     engine.generate([3, 4, 5, 3, 4, 5, 3, 4], SamplingParams(max_tokens=30), SpecParams(num_draft_tokens=4))
     assert False in policy.flags and True in policy.flags
+
+
+def test_drafters_do_their_one_time_work_at_admission(tiny_models):
+    """The engine admits each request into the drafter with the prefill: prompt lookup has indexed the prompt and
+    a model drafter has prefilled its cache before the first decode step, so the first speculative step (which the
+    K policy times) costs what any other does. Output is unchanged."""
+    from pipeline.config import EngineConfig, SamplingParams, SpecParams
+    from pipeline.drafters import ModelDrafter, PromptLookupDrafter
+    from pipeline.engine import SpeculativeEngine
+    from pipeline.models.loader import load_model
+
+    target, _ = load_model(tiny_models["llama"])
+    draft_model, _ = load_model(tiny_models["draft"])
+    fed = []
+    forward = draft_model.forward
+
+    def recording(tokens, positions, slots, logits_from=0):
+        fed.append(tokens.shape[1])
+        return forward(tokens, positions, slots, logits_from)
+
+    draft_model.forward = recording
+    prompt = [3, 4, 5, 3, 4, 5, 3, 4, 9, 10, 11, 12]
+    outputs = []
+    for drafter in (PromptLookupDrafter(), ModelDrafter(draft_model)):
+        engine = SpeculativeEngine(target, None, drafter, EngineConfig(max_batch_size=1, max_seq_len=96))
+        state = engine._make_states([prompt], SamplingParams(max_tokens=8), False)[0]
+        engine._prefill(state, 0)
+        if isinstance(drafter, PromptLookupDrafter):
+            assert drafter._index[state.request_id].tokens == prompt  # indexed at admission
+        else:
+            assert fed == [len(prompt) - 1] and drafter._fed[state.request_id] == prompt[:-1]
+            engine.step([state], [0], SpecParams(num_draft_tokens=3))
+            assert fed[1] == 1  # the first propose feeds only the last token
+        engine.drafter.release(state.request_id)
+        outputs.append(engine.generate(prompt, SamplingParams(max_tokens=12), SpecParams(num_draft_tokens=3)).token_ids)
+    plain = SpeculativeEngine(target, None, None, EngineConfig(max_batch_size=1, max_seq_len=96))
+    assert outputs[0] == outputs[1] == plain.generate(prompt, SamplingParams(max_tokens=12)).token_ids
