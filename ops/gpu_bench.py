@@ -642,7 +642,13 @@ def run(args: argparse.Namespace) -> int:
     if args.part in ("demo", "all"):
         run_demo(args, result, save)
     if args.part == "concurrent":
-        result["concurrent"] = run_concurrent(args.gguf, args)
+        folder = args.gguf
+        if folder and folder.endswith(".gguf"):
+            from pipeline.models.store import convert_gguf
+
+            os.environ.setdefault("SPECSERVE_CACHE", "/tmp/specserve-cache")
+            folder = str(convert_gguf(Path(folder)))
+        result["concurrent"] = run_concurrent(folder, args)
     if args.part == "hf-compiled":
         run_hf_compiled_part(args, result, save)
         return 0

@@ -13,6 +13,8 @@
 #           Call 1 also rehearses (REHEARSE=0 skips it): a random-weight target of the demo's shape through
 #           the runner backend (static step checked against the eager runner, a throughput probe), which
 #           also fills torch.compile's cache for the main call.
+# concurrent: reassembles the GGUF as main does, then runs `ops/gpu_bench.py --part concurrent` for each of
+#           CONC_TOKENS (default "128 512") answer lengths (extra arguments go to gpu_bench.py).
 # main:     reassembles and checks the GGUF, installs the carried gguf wheel, unpacks the prompts, and runs
 #           ops/distill/gpu_train.py within WALL_TOTAL seconds of this script's start (default 555), then
 #           packs the drafter into $OUT. Extra arguments are passed to gpu_train.py (later flags win).
@@ -56,7 +58,7 @@ if [ "$MODE" = stash ]; then
     exit 0
 fi
 
-[ "$MODE" = main ] || { echo "unknown mode $MODE"; exit 2; }
+[ "$MODE" = main ] || [ "$MODE" = concurrent ] || { echo "unknown mode $MODE"; exit 2; }
 LAST=$(ls -d "$CLEAN"/call* | sort -V | tail -1)
 if [ -n "${TARGET:-}" ]; then
     echo "target folder $TARGET (no GGUF)"
@@ -85,6 +87,14 @@ else
             "$LAST"/gguf-*.whl || exit 5
         export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
     fi
+fi
+if [ "$MODE" = concurrent ]; then  # issue 5's 32-stream benchmark on the real demo target, per answer length
+    export SPECSERVE_CACHE=$STASH/cache
+    for n in ${CONC_TOKENS:-128 512}; do
+        "$PY" ops/gpu_bench.py --part concurrent --gguf "$TARGET" --max-tokens "$n" --out "$OUT/c$n" "$@" 2>&1 \
+            | tee "$OUT/c$n.log" | tail -9
+    done
+    exit 0
 fi
 "$PY" - "$LAST/prompts.npz.xz" "$STASH/prompts.npz" "$(manifest "m['prompts']['npz_sha256']")" <<'EOF' || exit 6
 import hashlib, lzma, sys
