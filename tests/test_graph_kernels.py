@@ -57,6 +57,15 @@ def test_linear_dispatch():
     many = torch.randn(sl.MAX_ROWS + 1, 8, generator=g)  # past MAX_ROWS: F.linear whatever the kind
     torch.testing.assert_close(sl.linear(many, w, b, "triton"), torch.nn.functional.linear(many, w, b))
     assert sl.resolve_linear("auto", torch.device("cpu")) == "torch"
+    # float32 weights never take the kernel under "auto": exactly F.linear (no custom op, no tuning)
+    calls = []
+    original = sl._choose
+    sl._choose = lambda *a: calls.append(a) or original(*a)
+    try:
+        assert torch.equal(sl.linear(x, w, b, "auto"), torch.nn.functional.linear(x, w, b))
+    finally:
+        sl._choose = original
+    assert calls == []
     with pytest.raises(ValueError, match="linear must be one of"):
         sl.resolve_linear("cublas", torch.device("cpu"))
 

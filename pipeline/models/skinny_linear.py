@@ -15,7 +15,11 @@ reduction kernel (BENCHMARKS.md, issue 5). `skinny_linear_triton` is a split-K k
   first met during a capture takes `F.linear` (said once). Where triton is missing or the device is not
   CUDA, "auto" is "torch".
 
-Rows past `MAX_ROWS` always take `F.linear`. Inside `torch.compile` the kernel is the opaque custom op
+Rows past `MAX_ROWS` always take `F.linear`, and so do float32 weights under "auto". A float32 model's decode (T = 1)
+and verify (T = K+1) steps then run the same cuBLAS arithmetic as before, and its greedy tokens do not depend on
+whether speculation is on. Measured on an H100 with the demo target: once the kernel served the decode rows but
+not the verify rows, 32 concurrent greedy streams no longer gave identical tokens with and without speculation.
+Forced "triton" on float32 uses IEEE float32 products, not TF32. Inside `torch.compile` the kernel is the opaque custom op
 `specserve::skinny_linear`, so the compiled region around it (norms, activations) keeps fusing.
 """
 
@@ -34,6 +38,7 @@ from pipeline.models.decode_attention import _sm_count, triton_available
 log = logging.getLogger(__name__)
 
 LINEAR_KINDS = ("auto", "triton", "torch")
+HALF_DTYPES = (torch.bfloat16, torch.float16)  # "auto" considers the kernel for these weights only
 MAX_ROWS = 64
 _SMEM_BUDGET = 160 * 1024  # bytes of pipelined tiles per program (H100/A100 have 228/164 KiB per SM)
 
@@ -127,6 +132,7 @@ def skinny_linear(
         M_PAD=m_pad(M), BLOCK_N=c.block_n, BLOCK_K=c.block_k, SINGLE=single, HAS_BIAS=bias is not None,
         EVEN_K=K % depth == 0 and depth % c.block_k == 0,
         DOT_IN_F32=kern.interpreted() and w.dtype == torch.bfloat16,
+        DOT_PRECISION="ieee" if w.dtype == torch.float32 else "tf32",
         num_warps=c.num_warps, num_stages=c.num_stages,
     )
     if not single:
@@ -216,7 +222,7 @@ def _(x, w, bias, kind):
 def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, kind: str = "torch") -> torch.Tensor:
     """`F.linear(x, w, bias)`; kind ('torch', 'triton', 'auto') as resolved by `resolve_linear`."""
     rows = x.numel() // x.shape[-1]
-    if kind == "torch" or rows > MAX_ROWS or rows == 0:
+    if kind == "torch" or rows > MAX_ROWS or rows == 0 or (kind == "auto" and w.dtype not in HALF_DTYPES):
         return F.linear(x, w, bias)
     return _skinny_linear_op(x, w, bias, kind)
 

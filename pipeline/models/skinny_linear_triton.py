@@ -28,6 +28,7 @@ def skinny_linear_kernel(
     HAS_BIAS: tl.constexpr,
     EVEN_K: tl.constexpr,  # every split's K range is a whole number of BLOCK_K blocks: no K mask
     DOT_IN_F32: tl.constexpr,  # interpreter + bf16 only: Triton 3.6's interpreter multiplies bf16 as raw bits
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 weights (Triton's default there is TF32), else "tf32"
 ):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -55,7 +56,7 @@ def skinny_linear_kernel(
             x, w = x.to(tl.float32), w.to(tl.float32)
         else:
             x = x.to(W.dtype.element_ty)
-        acc += tl.dot(x, w)
+        acc += tl.dot(x, w, input_precision=DOT_PRECISION)
 
     mask = m_ok[:, None] & n_ok[None, :]
     if SINGLE:
