@@ -201,8 +201,8 @@ class TargetWorker:
 
 def _pad_sparse(rows: Sequence[VerifyRow], K: int, torch) -> tuple[Any, Any]:
     """Stack per-row sparse draft distributions into [B, K, k]. Rows without probabilities become point
-    masses; short rows are padded with copies of their first entry (same id, same probability), which
-    leaves the scattered dense distribution unchanged."""
+    masses; short rows are padded with their first id at probability 0, which leaves the dense distribution
+    (`pipeline.rejection` adds up the entries of an id) unchanged."""
     k = max((r.top_ids.shape[-1] for r in rows if r.top_ids is not None), default=1)
     B = len(rows)
     ids = torch.zeros(B, K, k, dtype=torch.int64)
@@ -220,8 +220,7 @@ def _pad_sparse(rows: Sequence[VerifyRow], K: int, torch) -> tuple[Any, Any]:
         kk = row_ids.shape[-1]
         ids[b, :n, :kk], probs[b, :n, :kk] = row_ids, row_probs
         if kk < k:
-            ids[b, :n, kk:] = row_ids[:, :1]
-            probs[b, :n, kk:] = row_probs[:, :1]
+            ids[b, :n, kk:] = row_ids[:, :1]  # probs stay 0 there
     return ids, probs
 
 

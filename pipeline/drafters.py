@@ -242,3 +242,88 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+class HybridDrafter:
+    """Prompt lookup where the context offers a match, a draft model everywhere else, chosen per row and step.
+
+    A row whose context repeats its last n-gram (n >= `lookup.min_ngram`, 2 by default: a single shared token is
+    weak evidence) takes the lookup's continuation, which costs nothing to produce; the other rows go to the
+    draft model in one batched call. Each row ships the distribution its tokens were actually drawn from: a
+    point mass for a lookup row, the model's sparse distribution for a model row, so the verification stays
+    exact for greedy and sampled rows alike. The choice depends only on the context, so a seeded request
+    replays exactly. The model's cache of a row that skipped it catches up on the committed tokens the next time
+    the row comes to it.
+    """
+
+    def __init__(self, model: ModelDrafter, lookup: PromptLookupDrafter | None = None) -> None:
+        self.model = model
+        self.lookup = lookup or PromptLookupDrafter(max_ngram=3, min_ngram=2)
+        self.name = f"lookup+{model.name}"
+        self.device = model.device
+        self.lookup_rows = self.model_rows = 0  # rows served by each, for stats and tests
+
+    def admit(self, request_id: str, context: Sequence[int]) -> None:
+        self.lookup.admit(request_id, context)
+        self.model.admit(request_id, context)
+
+    def release(self, request_id: str) -> None:
+        self.lookup.release(request_id)
+        self.model.release(request_id)
+
+    def propose(self, rows, k, sampling, steps, draft_top_k) -> DraftBlock:
+        B = len(rows)
+        found = [self.lookup.lookup(r.context, r.num_draft, key=r.request_id) if r.num_draft else [] for r in rows]
+        to_model = [b for b, r in enumerate(rows) if r.num_draft and not found[b]]
+        self.lookup_rows += sum(1 for f in found if f)
+        self.model_rows += len(to_model)
+        top_k = draft_top_k
+        tokens = torch.zeros(B, k, dtype=torch.int64)
+        counts = torch.zeros(B, dtype=torch.int64)
+        top_ids = torch.zeros(B, k, top_k, dtype=torch.int64)
+        top_probs = torch.zeros(B, k, top_k, dtype=torch.float32)
+        for b, f in enumerate(found):
+            if f:  # a point mass at each looked-up token (the support's other entries repeat it at probability 0)
+                n = len(f)
+                t = torch.tensor(f, dtype=torch.int64)
+                tokens[b, :n], counts[b] = t, n
+                top_ids[b, :n] = t[:, None]
+                top_probs[b, :n, 0] = 1.0
+        if to_model:
+            idx = torch.tensor(to_model, dtype=torch.int64)
+            sub = self.model.propose([rows[b] for b in to_model], k, sampling.select(to_model),
+                                     steps[idx.to(steps.device)], top_k).to("cpu")
+            tokens[idx], counts[idx] = sub.token_ids, sub.num_draft
+            width = sub.top_ids.shape[-1]  # < top_k for a draft vocabulary smaller than top_k
+            top_ids[idx, :, :width], top_probs[idx, :, :width] = sub.top_ids, sub.top_probs
+            top_ids[idx, :, width:] = sub.top_ids[..., :1]  # padding: a repeated id at probability 0
+        return DraftBlock(tokens, counts, top_ids, top_probs)
+
+
+HYBRID_PREFIX = "lookup+"
+
+
+def build_drafter(spec: str | None, target_info, tokenizer, device: str = "cpu", dtype: str = "float32"):
+    """A drafter from its spec: None (no speculation), "prompt-lookup", a draft model (folder, .gguf or store
+    name), or "lookup+MODEL" (`HybridDrafter`). A draft model must pass the compatibility check against the
+    target (`pipeline.compat.check_compatible`)."""
+    if spec is None:
+        return None
+    if spec == PromptLookupDrafter.name:
+        return PromptLookupDrafter()
+    if spec.startswith(HYBRID_PREFIX):
+        return HybridDrafter(build_drafter(spec[len(HYBRID_PREFIX):], target_info, tokenizer, device, dtype))
+    from pipeline.compat import check_compatible
+    from pipeline.models.loader import load_model
+    from pipeline.models.store import resolve
+
+    draft_model, draft_tok = load_model(str(resolve(spec)), device=device, dtype=dtype)
+    check_compatible(target_info, tokenizer, draft_model.info, draft_tok)
+    return ModelDrafter(draft_model)
+
+
+def draft_model_spec(spec: str) -> str | None:
+    """The draft model a spec names (for a hybrid, its model part); None for prompt lookup."""
+    if spec == PromptLookupDrafter.name:
+        return None
+    return spec[len(HYBRID_PREFIX):] if spec.startswith(HYBRID_PREFIX) else spec

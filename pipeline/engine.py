@@ -21,7 +21,7 @@ import torch
 
 from pipeline.adaptive import AdaptiveK
 from pipeline.config import EngineConfig, SamplingParams, SpecParams
-from pipeline.drafters import Drafter, DraftRequest, ModelDrafter, PromptLookupDrafter
+from pipeline.drafters import Drafter, DraftRequest, HybridDrafter, ModelDrafter
 from pipeline.models.base import CausalLM
 from pipeline.rejection import DraftBlock, accept, verify
 from pipeline.sampling import SamplingTensors
@@ -70,17 +70,18 @@ class SpeculativeEngine:
         k_policy: AdaptiveK | None = None,  # K per step for greedy rows from measured costs (None: spec's K)
     ) -> None:
         self.config = config or EngineConfig()
+        model_drafter = _model_drafter(drafter)
         if self.config.extra.get("graphs", True):  # static-shape CUDA-graph path for models on CUDA
             target = _graphs_on_cuda(target)
-            if isinstance(drafter, ModelDrafter):
-                drafter.model = _graphs_on_cuda(drafter.model)
+            if model_drafter is not None:
+                model_drafter.model = _graphs_on_cuda(model_drafter.model)
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.k_policy = k_policy
         cache_len = self.config.max_seq_len + _CACHE_SLACK
         if target.num_slots < self.config.max_batch_size or target.max_len < cache_len:
             target.allocate(self.config.max_batch_size, cache_len)
-        if isinstance(drafter, ModelDrafter):
-            m = drafter.model
+        if model_drafter is not None:
+            m = model_drafter.model
             if m.num_slots < self.config.max_batch_size or m.max_len < cache_len:
                 m.allocate(self.config.max_batch_size, cache_len)
         self.timings = EngineTimings()
@@ -96,23 +97,16 @@ class SpeculativeEngine:
         adaptive_k: bool = False,
     ) -> "SpeculativeEngine":
         """target: a model folder, a .gguf file, or None for the demo model. draft: a model path,
-        "prompt-lookup", or None for target-only decoding. adaptive_k: greedy requests draft 0..K tokens per
-        step, whichever the measured step costs and acceptance say pays most (`pipeline.adaptive`)."""
-        from pipeline.compat import check_compatible
+        "prompt-lookup", "lookup+MODEL" (prompt lookup where it matches, the model elsewhere), or None for
+        target-only decoding. adaptive_k: greedy requests draft 0..K tokens per step, whichever the measured
+        step costs and acceptance say pays most (`pipeline.adaptive`)."""
+        from pipeline.drafters import build_drafter
         from pipeline.models.loader import load_model
         from pipeline.models.store import resolve
 
         config = config or EngineConfig()
         model, tokenizer = load_model(str(resolve(target)), device=config.device, dtype=config.dtype)
-        drafter: Drafter | None
-        if draft is None:
-            drafter = None
-        elif draft == "prompt-lookup":
-            drafter = PromptLookupDrafter()
-        else:
-            draft_model, draft_tok = load_model(str(resolve(draft)), device=config.device, dtype=config.dtype)
-            check_compatible(model.info, tokenizer, draft_model.info, draft_tok)
-            drafter = ModelDrafter(draft_model)
+        drafter = build_drafter(draft, model.info, tokenizer, config.device, config.dtype)
         policy = AdaptiveK(max_k=16) if adaptive_k else None  # each request's num_draft_tokens caps it further
         return cls(model, tokenizer, drafter, config, k_policy=policy)
 
@@ -291,7 +285,8 @@ class SpeculativeEngine:
 
     def _captures(self) -> int:
         """CUDA graphs captured so far by the target and a model drafter (0 for eager runners)."""
-        models = [self.target, getattr(self.drafter, "model", None)]
+        drafter = _model_drafter(self.drafter)
+        models = [self.target, drafter.model if drafter is not None else None]
         return sum(getattr(getattr(m, "stats", None), "captures", 0) for m in models)
 
     def _result(self, state: RequestState) -> GenerationResult:
@@ -303,6 +298,13 @@ class SpeculativeEngine:
             seed=int(state.params.seed),
             stats=state.stats.summary(),
         )
+
+
+def _model_drafter(drafter: Drafter | None) -> ModelDrafter | None:
+    """The draft model's drafter inside `drafter` (itself, or a hybrid's model part), if any."""
+    if isinstance(drafter, HybridDrafter):
+        return drafter.model
+    return drafter if isinstance(drafter, ModelDrafter) else None
 
 
 def _graphs_on_cuda(model: CausalLM) -> CausalLM:

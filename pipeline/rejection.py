@@ -36,7 +36,7 @@ class DraftBlock:
 
     token_ids: torch.Tensor  # [B, K] int64
     num_draft: torch.Tensor  # [B] int64, 0 <= num_draft <= K
-    top_ids: torch.Tensor | None = None  # [B, K, k] int64: support of the draft distribution
+    top_ids: torch.Tensor | None = None  # [B, K, k] int64: support of the draft distribution (an id listed twice adds up)
     top_probs: torch.Tensor | None = None  # [B, K, k] float32: its probabilities (rows sum to 1)
 
     @property
@@ -152,7 +152,8 @@ def _dense_draft_probs(draft: DraftBlock, drafted: torch.Tensor, V: int) -> torc
     if draft.top_probs is None:
         dense[:, :K].scatter_(-1, draft.token_ids[..., None], mask)
     else:
-        dense[:, :K].scatter_(-1, draft.top_ids, draft.top_probs.float() * mask)
+        # add, not assign: a support may list an id more than once (padding at probability 0)
+        dense[:, :K].scatter_add_(-1, draft.top_ids, draft.top_probs.float() * mask)
     return dense
 
 

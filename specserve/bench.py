@@ -71,7 +71,7 @@ def run_bench(
 
     from pipeline.adaptive import AdaptiveK
     from pipeline.config import EngineConfig, SamplingParams, SpecParams
-    from pipeline.drafters import ModelDrafter, PromptLookupDrafter
+    from pipeline.drafters import build_drafter, draft_model_spec
     from pipeline.engine import SpeculativeEngine
     from pipeline.models.loader import load_model
     from pipeline.models.store import resolve
@@ -80,17 +80,12 @@ def run_bench(
     torch_dtype = getattr(torch, dtype)
     model, tok = load_model(target_path, device=device, dtype=dtype)
     config = EngineConfig(max_batch_size=1, max_seq_len=4096, device=device, dtype=dtype)
-    if draft == "prompt-lookup":
-        drafter = PromptLookupDrafter()
+    drafter = build_drafter(draft, model.info, tok, device, dtype)
+    draft_model_path = draft_model_spec(draft)
+    if draft_model_path is None:
         hf_assist: dict[str, Any] = {"prompt_lookup_num_tokens": k}
-    else:
-        draft_path = str(resolve(draft))
-        draft_model, draft_tok = load_model(draft_path, device=device, dtype=dtype)
-        from pipeline.compat import check_compatible
-
-        check_compatible(model.info, tok, draft_model.info, draft_tok)
-        drafter = ModelDrafter(draft_model)
-        hf_assist = {"assistant_model": _hf_assistant(draft_path, k, device, torch_dtype)}
+    else:  # HF assisted generation with the same draft model (for a hybrid: its model part)
+        hf_assist = {"assistant_model": _hf_assistant(str(resolve(draft_model_path)), k, device, torch_dtype)}
     policy = AdaptiveK(max_k=k) if adaptive_k else None
     engine = SpeculativeEngine(model, tok, drafter, config, k_policy=policy)
     hf = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch_dtype).to(device).eval() if any(

@@ -15,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from specserve.bench import DEFAULT_PROMPTS
 
     p.add_argument("--target", default=None, help="target model (default: the demo model)")
-    p.add_argument("--draft", default="default", help="drafter: model folder, 'prompt-lookup' or 'default'")
+    p.add_argument("--draft", default="default", help="drafter: model folder, 'prompt-lookup', 'lookup+MODEL' or 'default'")
     p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="Spec-Bench jsonl (default: %(default)s)")
     p.add_argument("--per-category", type=int, default=2, help="prompts per Spec-Bench category")
     p.add_argument("--methods", default=METHODS, help="comma-separated subset of %(default)s")

@@ -13,7 +13,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="target model folder or .gguf (default: the demo SmolLM2-135M-Instruct)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--draft", default=None,
-                   help="drafter: a model folder, 'prompt-lookup', or 'default' (the project's default drafter)")
+                   help="drafter: a model folder, 'prompt-lookup', 'lookup+MODEL' (prompt lookup where the context matches, "
+                        "the model elsewhere), or 'default' (the project's default drafter)")
     g.add_argument("--no-draft", action="store_true", help="plain target decoding, no speculation")
     p.add_argument("-k", "--num-draft-tokens", type=int, default=4, help="K, tokens drafted per target pass")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")

@@ -250,3 +250,57 @@ def test_prompt_lookup_index_equals_the_scan():
         assert d.lookup(other, 4, key=f"r{trial}") == d.lookup(other, 4)
         d.release(f"r{trial}")
     assert not d._index
+
+
+def test_hybrid_drafter_uses_both_sources_and_keeps_outputs_exact(tiny_models):
+    """lookup+MODEL: rows whose context repeats an n-gram take the lookup, the others the draft model, in one
+    step. Greedy output equals target-only decoding; a seeded sampled request replays exactly, alone or batched
+    with others; each source served some rows."""
+    from pipeline.drafters import HybridDrafter, build_drafter
+
+    target, tok = load_model(tiny_models["llama"])
+    hybrid = build_drafter(f"lookup+{tiny_models['draft']}", target.info, tok)
+    assert isinstance(hybrid, HybridDrafter) and hybrid.name.startswith("lookup+")
+    cfg = EngineConfig(max_batch_size=4, max_seq_len=128)
+    engine = SpeculativeEngine(target, None, hybrid, cfg)
+    plain = SpeculativeEngine(target, None, None, cfg)
+    repetitive = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]  # the lookup finds continuations here
+    fresh = [11, 23, 42, 7, 99, 3, 64]
+    greedy = SamplingParams(max_tokens=24)
+    spec = SpecParams(num_draft_tokens=3)
+    got = engine.generate_batch([repetitive, fresh], greedy, spec)
+    want = plain.generate_batch([repetitive, fresh], greedy)
+    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    assert hybrid.lookup_rows > 0 and hybrid.model_rows > 0
+    sampled = SamplingParams(max_tokens=24, temperature=0.9, seed=7)
+    alone = engine.generate(fresh, sampled, spec).token_ids
+    again = engine.generate(fresh, sampled, spec).token_ids
+    batched = engine.generate_batch([repetitive, fresh], [SamplingParams(max_tokens=24, temperature=0.9, seed=3),
+                                                          sampled], spec)[1].token_ids
+    assert alone == again == batched
+
+
+def test_hybrid_block_ships_the_distribution_each_row_was_drawn_from(tiny_models):
+    """A lookup row's support is a point mass at each token; a model row's is exactly what the draft model alone
+    proposes for it (same tokens, same sparse distribution: its randomness is keyed by the row, not the batch)."""
+    from pipeline.drafters import DraftRequest, HybridDrafter
+    from pipeline.rejection import _dense_draft_probs
+    from pipeline.sampling import SamplingTensors
+
+    draft_model, _ = load_model(tiny_models["draft"])
+    draft_model.allocate(4, 64)
+    hybrid = HybridDrafter(ModelDrafter(draft_model))
+    alone = ModelDrafter(load_model(tiny_models["draft"])[0])
+    alone.model.allocate(4, 64)
+    rows = [DraftRequest("r", [5, 6, 7, 8, 5, 6, 7], 3), DraftRequest("f", [11, 23, 42, 7, 99], 3)]
+    params = [SamplingParams(temperature=0.8, seed=s) for s in (1, 2)]
+    sampling, steps = SamplingTensors.from_params(params), torch.tensor([4, 9])
+    block = hybrid.propose(rows, 3, sampling, steps, 8)
+    ref = alone.propose(rows[1:], 3, sampling.select([1]), steps[1:], 8)
+    assert block.token_ids[0].tolist() == [8, 5, 6] and int(block.num_draft[0]) == 3
+    dense = _dense_draft_probs(block, torch.ones(2, 3, dtype=torch.bool), draft_model.info.vocab_size)
+    for i, t in enumerate([8, 5, 6]):
+        assert dense[0, i, t] == 1.0 and dense[0, i].sum() == 1.0
+    assert torch.equal(block.token_ids[1], ref.token_ids[0])
+    torch.testing.assert_close(dense[1, :3], _dense_draft_probs(ref, torch.ones(1, 3, dtype=torch.bool),
+                                                                draft_model.info.vocab_size)[0, :3])

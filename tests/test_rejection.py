@@ -249,3 +249,17 @@ def test_accept_row_matches_batched_accept():
         )
         n = int(ref.num_accepted[0])
         assert accept_row(probs.tolist(), targets, draft, seed, step) == (n, ref.tokens[0, : n + 1].tolist()), trial
+
+
+def test_a_support_listing_an_id_twice_adds_up():
+    """Sparse draft supports may repeat an id (padding at probability 0, or a point mass spread over copies):
+    the dense draft distribution adds the entries of an id, so padding never changes it."""
+    from pipeline.rejection import _dense_draft_probs
+
+    ids = torch.tensor([[[3, 1, 3, 3]]])  # [B=1, K=1, k=4]
+    probs = torch.tensor([[[0.6, 0.4, 0.0, 0.0]]])
+    dense = _dense_draft_probs(DraftBlock(torch.tensor([[3]]), torch.tensor([1]), ids, probs), torch.tensor([[True]]), V)
+    want = torch.zeros(V)
+    want[3], want[1] = 0.6, 0.4
+    torch.testing.assert_close(dense[0, 0], want)
+    assert dense[0, 1].sum() == 0  # the bonus position has no draft

@@ -426,3 +426,27 @@ def test_embedded_redis_outlives_its_starting_thread_and_dies_with_its_process()
     while not gone() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert gone(), "redis-server outlived its owner"
+
+
+def test_pad_sparse_leaves_each_rows_distribution_unchanged():
+    """Rows with shorter draft supports are padded to the widest; the dense distribution the verifier builds
+    from the padded block equals each row's own."""
+    import numpy as np
+    import torch
+
+    from deployments.target_replica import VerifyRow, _pad_sparse
+    from pipeline.config import SamplingParams
+    from pipeline.rejection import DraftBlock, _dense_draft_probs
+
+    rows = [
+        VerifyRow("a", 0, [1, 5, 6], SamplingParams(), 0, np.array([[5, 2, 9], [6, 7, 8]]),
+                  np.array([[0.5, 0.3, 0.2], [0.9, 0.05, 0.05]], dtype=np.float32)),
+        VerifyRow("b", 0, [1, 4, 4], SamplingParams(), 0, np.array([[4], [4]]), np.array([[1.0], [1.0]], dtype=np.float32)),
+        VerifyRow("c", 0, [1, 3, 2], SamplingParams(), 0, None, None),  # point masses
+    ]
+    ids, probs = _pad_sparse(rows, 2, torch)
+    tokens = torch.tensor([r.tokens[1:] for r in rows])
+    dense = _dense_draft_probs(DraftBlock(tokens, torch.tensor([2, 2, 2]), ids, probs), torch.ones(3, 2, dtype=torch.bool), 16)
+    assert torch.allclose(dense[:, :2].sum(-1), torch.ones(3, 2))
+    assert dense[0, 0, 5] == 0.5 and dense[0, 0, 2] == pytest.approx(0.3) and dense[1, 0, 4] == 1.0
+    assert dense[2, 0, 3] == 1.0 and dense[2, 1, 2] == 1.0
