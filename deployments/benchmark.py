@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--repeats", type=int, default=2, help="engine/HTTP pairs per prompt (one stream)")
     p.add_argument("--no-overlap", action="store_true")
     p.add_argument("--draft", default=None,
-                   help="'prompt-lookup' or a drafter model folder (default: the core engine's default drafter)")
+                   help="'prompt-lookup' or a drafter model folder (default: prompt-lookup, the Serve default)")
     p.add_argument("--out", default="bench-serve")
     args = p.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -93,13 +93,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from deployments.app import build_app
     from pipeline.config import EngineConfig, SamplingParams, SpecParams
-    from pipeline.engine import DEFAULT_DRAFT, SpeculativeEngine
+    from pipeline.engine import SpeculativeEngine
     from pipeline.models.store import resolve
     from specserve.bench import DEFAULT_PROMPTS, load_prompts, machine
 
     torch.set_num_threads(args.threads)
     target = str(resolve(None))
-    draft = args.draft or DEFAULT_DRAFT
+    draft = args.draft or "prompt-lookup"  # the Serve pipeline's default drafter (it has no hybrid)
     if draft != "prompt-lookup":
         draft = str(resolve(draft))
     engine = SpeculativeEngine.from_pretrained(target, draft, EngineConfig(max_batch_size=16, max_seq_len=2048))

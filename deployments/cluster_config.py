@@ -247,7 +247,7 @@ def check(serve: str | Path | dict[str, Any], cluster: str | Path | dict[str, An
 
         # Models.
         roles = [("target", config.target, config.target.tensor_parallel_size)]
-        if config.drafter.method == "model":
+        if config.drafter.uses_model:
             roles.append(("drafter", config.drafter, 1))
         for role, cfg, _ in roles if check_models else ():
             problem = _known_model(cfg.model, prepared, base)

@@ -71,12 +71,18 @@ class TargetConfig(_Strict):
 
 
 class DrafterConfig(_Strict):
-    method: Literal["model", "prompt_lookup", "none"] = Field(
-        "prompt_lookup",  # the core engine's default drafter until a distilled drafter ships (issue 8)
+    method: Literal["model", "prompt_lookup", "hybrid", "none"] = Field(
+        "prompt_lookup",
         description="'model': a small LM on drafter replicas; 'prompt_lookup': n-gram copy from the context, "
         "run inside the coordinator (microseconds: a network hop would cost more than the draft); "
-        "'none': target-only decoding.",
+        "'hybrid': prompt lookup where the context repeats an n-gram, the drafter replicas' model otherwise "
+        "(pipeline.drafters.HybridDrafter); 'none': target-only decoding.",
     )
+
+    @property
+    def uses_model(self) -> bool:
+        """Whether this app runs drafter replicas."""
+        return self.method in ("model", "hybrid")
     model: Optional[str] = Field(None, description="Drafter model folder; None: the demo drafter.")
     resources: Resources = Field(default_factory=Resources)
     max_batch_size: int = Field(16, ge=1, description="KV-cache slots per drafter replica.")
@@ -199,7 +205,7 @@ def deployment_options(config: AppConfig) -> dict[str, dict[str, Any]]:
     out[TARGET] = _model_deployment_options(
         TARGET, config.target.resources, config.target.tensor_parallel_size, max_ongoing_requests=64
     )
-    if config.drafter.method == "model":
+    if config.drafter.uses_model:
         out[DRAFTER] = _model_deployment_options(
             DRAFTER, config.drafter.resources, 1, max_ongoing_requests=64
         )

@@ -106,12 +106,13 @@ class Coordinator:
         self.tokenizer = load_tokenizer(self.info["path"])
         ctx = serve.get_replica_context()
         self.targets = WorkerPool(ctx.app_name, TARGET)
-        self.drafters = WorkerPool(ctx.app_name, DRAFTER) if self.cfg.drafter.method == "model" else None
+        method = self.cfg.drafter.method
+        self.drafters = WorkerPool(ctx.app_name, DRAFTER) if self.cfg.drafter.uses_model else None
         self.local_drafter = None
-        if self.cfg.drafter.method == "prompt_lookup":
-            from pipeline.drafters import PromptLookupDrafter
+        if method in ("prompt_lookup", "hybrid"):
+            from pipeline.drafters import PromptLookupDrafter, hybrid_lookup
 
-            self.local_drafter = PromptLookupDrafter()
+            self.local_drafter = PromptLookupDrafter() if method == "prompt_lookup" else hybrid_lookup()
         self.owner = f"{ctx.replica_id.unique_id}:{uuid.uuid4().hex[:8]}"
         self.active = 0
 
@@ -289,8 +290,12 @@ class Coordinator:
 
     # -- drafting ----------------------------------------------------------------------------------------
     async def _draft(self, run: _Run, state, want: int) -> Draft:
-        if self.local_drafter is not None:
-            return Draft(self.local_drafter.lookup(state.context, want))
+        if self.local_drafter is not None:  # prompt lookup, alone or before the model (hybrid)
+            found = self.local_drafter.lookup(state.context, want, key=state.request_id)
+            if found or self.drafters is None:
+                if found and self.drafters is not None:
+                    self._drop_predraft(run)  # a pre-draft for this step is not needed
+                return Draft(found)
         if self.drafters is None:
             return Draft([])
         ctx = state.context

@@ -258,7 +258,7 @@ class HybridDrafter:
 
     def __init__(self, model: ModelDrafter, lookup: PromptLookupDrafter | None = None) -> None:
         self.model = model
-        self.lookup = lookup or PromptLookupDrafter(max_ngram=3, min_ngram=2)
+        self.lookup = lookup or hybrid_lookup()
         self.name = f"lookup+{model.name}"
         self.device = model.device
         self.lookup_rows = self.model_rows = 0  # rows served by each, for stats and tests
@@ -301,6 +301,12 @@ class HybridDrafter:
 
 
 HYBRID_PREFIX = "lookup+"
+
+
+def hybrid_lookup() -> PromptLookupDrafter:
+    """The prompt lookup of a hybrid drafter (the Serve coordinator's hybrid mode uses the same): n-grams of
+    2 or 3 tokens; a single shared token is weak evidence against a draft model's guess."""
+    return PromptLookupDrafter(max_ngram=3, min_ngram=2)
 
 
 def build_drafter(spec: str | None, target_info, tokenizer, device: str = "cpu", dtype: str = "float32"):

@@ -27,7 +27,18 @@ from pipeline.rejection import DraftBlock, accept, verify
 from pipeline.sampling import SamplingTensors
 from pipeline.sequence import RequestState
 
-DEFAULT_DRAFT = "prompt-lookup"  # until a distilled drafter ships (issue 8)
+DEFAULT_DRAFT = "default"  # default_draft(target) picks
+
+
+def default_draft(target: str | None) -> str:
+    """The default drafter for a target. The demo target gets its shipped distilled drafter behind prompt
+    lookup ("lookup+smollm2-135m-distill": 1.33x target-only on the 2-core CPU against 1.24x for prompt lookup
+    alone, BENCHMARKS.md issue 8); any other target gets prompt lookup, since no shipped drafter shares its
+    tokenizer."""
+    from pipeline.drafters import HYBRID_PREFIX
+    from pipeline.models.store import DEMO_DRAFT, DEMO_TARGET
+
+    return HYBRID_PREFIX + DEMO_DRAFT if target in (None, DEMO_TARGET) else "prompt-lookup"
 _CACHE_SLACK = 72  # positions past max_seq_len: K+1 verify tokens and draft padding write there
 
 
@@ -97,8 +108,8 @@ class SpeculativeEngine:
         adaptive_k: bool = False,
     ) -> "SpeculativeEngine":
         """target: a model folder, a .gguf file, or None for the demo model. draft: a model path,
-        "prompt-lookup", "lookup+MODEL" (prompt lookup where it matches, the model elsewhere), or None for
-        target-only decoding. adaptive_k: greedy requests draft 0..K tokens per step, whichever the measured
+        "prompt-lookup", "lookup+MODEL" (prompt lookup where it matches, the model elsewhere), "default"
+        (`default_draft(target)`), or None for target-only decoding. adaptive_k: greedy requests draft 0..K tokens per step, whichever the measured
         step costs and acceptance say pays most (`pipeline.adaptive`)."""
         from pipeline.drafters import build_drafter
         from pipeline.models.loader import load_model
@@ -106,6 +117,8 @@ class SpeculativeEngine:
 
         config = config or EngineConfig()
         model, tokenizer = load_model(str(resolve(target)), device=config.device, dtype=config.dtype)
+        if draft == DEFAULT_DRAFT:
+            draft = default_draft(target)
         drafter = build_drafter(draft, model.info, tokenizer, config.device, config.dtype)
         policy = AdaptiveK(max_k=16) if adaptive_k else None  # each request's num_draft_tokens caps it further
         return cls(model, tokenizer, drafter, config, k_policy=policy)

@@ -41,13 +41,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"-k must be >= 1, got {args.num_draft_tokens}")
     import torch
 
-    from pipeline.engine import DEFAULT_DRAFT
+    from pipeline.engine import default_draft
     from specserve.bench import load_prompts, markdown_table, plot, run_bench
 
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = load_prompts(args.prompts, args.per_category)
-    draft = DEFAULT_DRAFT if args.draft == "default" else args.draft
+    draft = default_draft(args.target) if args.draft == "default" else args.draft
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     result = run_bench(args.target, draft, prompts, methods, args.num_draft_tokens, args.max_tokens,
                        device=args.device, progress=not args.no_progress, dtype=args.dtype,

@@ -47,10 +47,10 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from pipeline.engine import DEFAULT_DRAFT, SpeculativeEngine
+    from pipeline.engine import SpeculativeEngine, default_draft
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    draft = None if args.no_draft else (DEFAULT_DRAFT if args.draft in (None, "default") else args.draft)
+    draft = None if args.no_draft else (default_draft(args.target) if args.draft in (None, "default") else args.draft)
     config = EngineConfig(max_batch_size=1, max_seq_len=args.max_seq_len, device=args.device, dtype=args.dtype)
     engine = SpeculativeEngine.from_pretrained(args.target, draft, config, adaptive_k=not args.fixed_k)
 

@@ -31,7 +31,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--name", default="specserve", help="Serve application name")
     p.add_argument("--target", default=None, help="target model folder or .gguf (default: the demo model)")
     p.add_argument("--draft", default=None,
-                   help="drafter: 'prompt-lookup' (default), 'none', or a drafter model folder")
+                   help="drafter: 'prompt-lookup' (default), 'none', a drafter model folder, or 'lookup+MODEL' "
+                        "(prompt lookup where the context matches, the model on drafter replicas elsewhere)")
     p.add_argument("-k", "--num-draft-tokens", type=int, default=None, help="default K per request")
     p.add_argument("--redis-url", default=None, help="external Redis (default: $REDIS_URL, else embedded)")
     p.add_argument("--served-model-name", default=None)
@@ -78,6 +79,9 @@ def load_config(args: argparse.Namespace):  # -> deployments.config.AppConfig
             put("drafter.method", "prompt_lookup")
         elif args.draft == "none":
             put("drafter.method", "none")
+        elif args.draft.startswith("lookup+"):
+            put("drafter.method", "hybrid")
+            put("drafter.model", args.draft[len("lookup+"):])
         else:
             put("drafter.method", "model")
             put("drafter.model", args.draft)
@@ -118,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
 
     print("specserve: preparing models ...", flush=True)
     cfg.target.model = str(resolve(cfg.target.model))
-    if cfg.drafter.method == "model":
+    if cfg.drafter.uses_model:
         from pipeline.models.store import DEMO_DRAFT
 
         cfg.drafter.model = str(resolve(cfg.drafter.model or DEMO_DRAFT))  # None: the shipped demo drafter

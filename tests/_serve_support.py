@@ -97,14 +97,16 @@ def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.1) -> Any
         time.sleep(interval_s)
 
 
-def tiny_engine(tiny_models: dict, max_batch_size: int, max_seq_len: int):
-    """The in-process reference for the Serve tests: the tiny llama target with the tiny model drafter."""
+def tiny_engine(tiny_models: dict, max_batch_size: int, max_seq_len: int, hybrid: bool = False):
+    """The in-process reference for the Serve tests: the tiny llama target with the tiny model drafter (behind
+    prompt lookup with `hybrid`, as the Serve app's drafter.method 'hybrid')."""
     from pipeline.config import EngineConfig
-    from pipeline.drafters import ModelDrafter
+    from pipeline.drafters import HybridDrafter, ModelDrafter
     from pipeline.engine import SpeculativeEngine
     from pipeline.models.loader import load_model
 
     target, _ = load_model(str(tiny_models["llama"]))
     draft, _ = load_model(str(tiny_models["draft"]))
-    return SpeculativeEngine(target, None, ModelDrafter(draft),
+    drafter = HybridDrafter(ModelDrafter(draft)) if hybrid else ModelDrafter(draft)
+    return SpeculativeEngine(target, None, drafter,
                              EngineConfig(max_batch_size=max_batch_size, max_seq_len=max_seq_len))

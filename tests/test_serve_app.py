@@ -35,7 +35,9 @@ def server(tiny_models):
     config = {
         "served_model_name": MODEL,
         "target": {"model": str(tiny_models["llama"]), "max_seq_len": MAX_SEQ_LEN, "max_batch_size": 20},
-        "drafter": {"method": "model", "model": str(tiny_models["draft"]), "resources": {"num_replicas": 2}},
+        # hybrid: prompt lookup in the coordinator where the context repeats, the drafter replicas elsewhere
+        # (both paths run in these tests: the tiny model's text loops, and its fresh prompts do not repeat)
+        "drafter": {"method": "hybrid", "model": str(tiny_models["draft"]), "resources": {"num_replicas": 2}},
         "coordinator": {"num_replicas": 2},
         "ingress": {"max_body_bytes": 64 * 1024},
         "speculation": {"num_draft_tokens": K},
@@ -47,7 +49,7 @@ def server(tiny_models):
 
 @pytest.fixture(scope="module")
 def engine(tiny_models):
-    return tiny_engine(tiny_models, max_batch_size=16, max_seq_len=MAX_SEQ_LEN)
+    return tiny_engine(tiny_models, max_batch_size=16, max_seq_len=MAX_SEQ_LEN, hybrid=True)
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +133,7 @@ def test_target_only_and_other_k_give_the_same_greedy_tokens(client, engine):
 
 
 def test_seeded_sampled_request_repeats_and_matches_the_engine(client, engine):
-    prompt = [1, 2, 3, 4, 5]
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats: prompt lookup drafts some steps, the model the others
     kw = dict(model=MODEL, prompt=prompt, max_tokens=48, temperature=0.9, top_p=0.95,
               extra_body={"ignore_eos": True, "top_k": 50})
     a = client.completions.create(seed=1234, **kw)
@@ -140,8 +142,12 @@ def test_seeded_sampled_request_repeats_and_matches_the_engine(client, engine):
     assert a.choices[0].token_ids == b.choices[0].token_ids
     assert a.choices[0].token_ids != c.choices[0].token_ids
     assert a.speculation["seed"] == 1234
+    before = engine.drafter.lookup_rows, engine.drafter.model_rows
     want = reference(engine, prompt, temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=48)
     assert a.choices[0].token_ids == want
+    # The same request in the engine drew drafts from both sources: Serve chose the same source at every step
+    # (another choice would change a sampled request's tokens).
+    assert engine.drafter.lookup_rows > before[0] and engine.drafter.model_rows > before[1]
 
 
 def test_models_health_and_chat_without_template(server, client):
