@@ -88,24 +88,9 @@ def graph_case(torch) -> dict:
                                    replace(cfg, attention="sdpa", linear="torch")),
         "eager": random_llama(args, "cpu", torch.float32, seed=5),
     }
-    g = torch.Generator().manual_seed(0)
-    lengths = {0: 5, 1: 23, 3: 11}
-    for m in models.values():
-        m.allocate(4, 64)
-    for slot, n in lengths.items():
-        prompt = torch.randint(0, 128, (1, n), generator=g)
-        for m in models.values():
-            m.forward(prompt, torch.tensor([0]), torch.tensor([slot]), n - 1)
-    err, argmax_equal = 0.0, True
-    for T in (1, 3, 5):
-        slots = torch.tensor([3, 0, 1])
-        tokens = torch.randint(0, 128, (3, T), generator=g)
-        positions = torch.tensor([lengths[int(s)] for s in slots])
-        out = {k: m.forward(tokens, positions, slots) for k, m in models.items()}
-        for ref in ("reference", "eager"):
-            err = max(err, float((out["kernels"] - out[ref]).abs().max()))
-            argmax_equal &= bool(torch.equal(out["kernels"].argmax(-1), out[ref].argmax(-1)))
-        lengths = {s: n + T for s, n in lengths.items()}
+    from _decode_attention_cases import compare_static_paths
+
+    err, argmax_equal = compare_static_paths(torch, models, "kernels", ("reference", "eager"))
     return {"err": err, "tol": 1e-4, "ok": argmax_equal and models["kernels"].stats.graph_calls >= 3}
 
 

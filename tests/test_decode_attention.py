@@ -12,8 +12,6 @@ ops/check_decode_attention.py.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +20,7 @@ import pytest
 import torch
 
 import _decode_attention_cases as cases
+from _interpreter import run_interpreted
 from pipeline.models import decode_attention as da
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,13 +86,7 @@ def test_plan_splits_covers_the_keys(S, programs, sms):
 
 @pytest.fixture(scope="module")
 def interpreted_results():
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # a checkout not pip-installed
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-               PYTHONPATH=path)
-    proc = subprocess.run([sys.executable, str(Path(cases.__file__))], capture_output=True, text=True, cwd=ROOT,
-                          env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(cases.__file__)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (its CPU interpreter)")

@@ -13,20 +13,15 @@ reference path and the eager runner. The GPU timings are ops/check_skinny_linear
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import _graph_kernel_cases as cases
+from _interpreter import run_interpreted
 from pipeline.models import skinny_linear as sl
 from pipeline.models.rope_write import torch_rope_write
 
-ROOT = Path(__file__).resolve().parents[1]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -103,13 +98,7 @@ def test_rope_reference_matches_the_eager_attention():
 
 @pytest.fixture(scope="module")
 def interpreted_results():
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-               PYTHONPATH=path)
-    proc = subprocess.run([sys.executable, str(Path(cases.__file__))], capture_output=True, text=True, cwd=ROOT,
-                          env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(cases.__file__)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (its CPU interpreter)")
