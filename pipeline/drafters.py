@@ -220,8 +220,9 @@ class ModelDrafter:
             top_probs[:, j, : ids.shape[1]] = probs
             if j + 1 < k:
                 logits = self.model.forward(token[:, None], positions + j, slots)  # [B, 1, V']
+        fed = out_tokens[:, : k - 1].tolist()  # one device-to-host copy for the whole batch
         for b, r in enumerate(rows):
-            self._fed[r.request_id].extend(out_tokens[b, : k - 1].tolist())
+            self._fed[r.request_id].extend(fed[b])
         num_draft = torch.tensor([r.num_draft for r in rows], dtype=torch.int64, device=device)
         return DraftBlock(out_tokens, num_draft, top_ids, top_probs)
 

@@ -46,14 +46,18 @@ class SamplingTensors:
     def select(self, rows: torch.Tensor | list[int]) -> "SamplingTensors":
         idx = torch.as_tensor(rows, dtype=torch.int64, device=self.temperature.device)
         temps = self.temperature[idx]
-        greedy = (temps == 0).tolist()
+        if self.all_greedy or not self.any_greedy:  # the flags carry over: no device sync
+            all_greedy = any_greedy = self.all_greedy
+        else:
+            greedy = (temps == 0).tolist()
+            all_greedy, any_greedy = all(greedy), any(greedy)
         return SamplingTensors(
             temperature=temps,
             top_k=self.top_k[idx],
             top_p=self.top_p[idx],
             seeds=self.seeds[idx],
-            all_greedy=all(greedy),
-            any_greedy=any(greedy),
+            all_greedy=all_greedy,
+            any_greedy=any_greedy,
             needs_truncation=self.needs_truncation,
         )
 

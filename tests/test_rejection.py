@@ -263,3 +263,15 @@ def test_a_support_listing_an_id_twice_adds_up():
     want[3], want[1] = 0.6, 0.4
     torch.testing.assert_close(dense[0, 0], want)
     assert dense[0, 1].sum() == 0  # the bonus position has no draft
+
+
+def test_select_keeps_the_greedy_flags():
+    mixed = SamplingTensors.from_params([SamplingParams(seed=1), SamplingParams(temperature=0.7, seed=2),
+                                         SamplingParams(seed=3)])
+    assert (mixed.select([0, 2]).all_greedy, mixed.select([0, 2]).any_greedy) == (True, True)
+    assert (mixed.select([1]).all_greedy, mixed.select([1]).any_greedy) == (False, False)
+    assert (mixed.select([1, 2]).all_greedy, mixed.select([1, 2]).any_greedy) == (False, True)
+    greedy = SamplingTensors.from_params([SamplingParams(seed=s) for s in range(3)])
+    assert greedy.select([2]).all_greedy and greedy.select([2]).seeds.tolist() == [2]
+    sampled = SamplingTensors.from_params([SamplingParams(temperature=1.0, seed=s) for s in range(3)])
+    assert not sampled.select([0, 1]).any_greedy
