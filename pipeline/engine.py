@@ -39,6 +39,8 @@ def default_draft(target: str | None) -> str:
     from pipeline.models.store import DEMO_DRAFT, DEMO_TARGET
 
     return HYBRID_PREFIX + DEMO_DRAFT if target in (None, DEMO_TARGET) else "prompt-lookup"
+
+
 _CACHE_SLACK = 72  # positions past max_seq_len: K+1 verify tokens and draft padding write there
 
 
@@ -109,8 +111,8 @@ class SpeculativeEngine:
     ) -> "SpeculativeEngine":
         """target: a model folder, a .gguf file, or None for the demo model. draft: a model path,
         "prompt-lookup", "lookup+MODEL" (prompt lookup where it matches, the model elsewhere), "default"
-        (`default_draft(target)`), or None for target-only decoding. adaptive_k: greedy requests draft 0..K tokens per step, whichever the measured
-        step costs and acceptance say pays most (`pipeline.adaptive`)."""
+        (`default_draft(target)`), or None for target-only decoding. adaptive_k: greedy requests draft 0..K
+        tokens per step, whichever the measured step costs and acceptance say pays most (`pipeline.adaptive`)."""
         from pipeline.drafters import build_drafter
         from pipeline.models.loader import load_model
         from pipeline.models.store import resolve
