@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--repeats", type=int, default=2, help="engine/HTTP pairs per prompt (one stream)")
     p.add_argument("--no-overlap", action="store_true")
     p.add_argument("--draft", default=None,
-                   help="'prompt-lookup' or a drafter model folder (default: prompt-lookup, the Serve default)")
+                   help="'prompt-lookup', a drafter model folder, or 'lookup+MODEL' (default: prompt-lookup, the "
+                        "Serve default)")
     p.add_argument("--out", default="bench-serve")
     args = p.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -93,15 +94,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     from deployments.app import build_app
     from pipeline.config import EngineConfig, SamplingParams, SpecParams
+    from pipeline.drafters import HYBRID_PREFIX, draft_model_spec
     from pipeline.engine import SpeculativeEngine
     from pipeline.models.store import resolve
     from specserve.bench import DEFAULT_PROMPTS, load_prompts, machine
 
     torch.set_num_threads(args.threads)
     target = str(resolve(None))
-    draft = args.draft or "prompt-lookup"  # the Serve pipeline's default drafter (it has no hybrid)
-    if draft != "prompt-lookup":
-        draft = str(resolve(draft))
+    draft = args.draft or "prompt-lookup"  # the Serve pipeline's default drafter
+    model_part = draft_model_spec(draft)
+    if model_part is not None:
+        model_path = str(resolve(model_part))
+        draft = HYBRID_PREFIX + model_path if draft.startswith(HYBRID_PREFIX) else model_path
     engine = SpeculativeEngine.from_pretrained(target, draft, EngineConfig(max_batch_size=16, max_seq_len=2048))
     samples = load_prompts(DEFAULT_PROMPTS, args.per_category)
     prompts = [engine.encode(s.prompt, chat=True) for s in samples]
@@ -113,8 +117,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     quiet = {"log_level": "WARNING", "enable_access_log": False}
     serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=quiet)
     cfg = {"target": {"model": target, "max_seq_len": 2048, "resources": {"torch_threads": args.threads}},
-           "drafter": ({"method": "prompt_lookup"} if draft == "prompt-lookup" else
-                       {"method": "model", "model": draft, "resources": {"torch_threads": args.threads}}),
+           "drafter": ({"method": "prompt_lookup"} if model_part is None else
+                       {"method": "hybrid" if draft.startswith(HYBRID_PREFIX) else "model", "model": model_path,
+                        "resources": {"torch_threads": args.threads}}),
            "speculation": {"num_draft_tokens": args.num_draft_tokens},
            "coordinator": {"overlap": not args.no_overlap}}
     serve.run(build_app(cfg), name="bench", route_prefix="/", logging_config=quiet)
@@ -158,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "itl_ms": summary_ms([g for r in rows for g in r["gaps"]])}
 
     result: dict[str, Any] = {
-        "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "target": target, "drafter": draft if draft == "prompt-lookup" else Path(draft).name,
+        "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "target": target, "drafter": draft if model_part is None else draft.replace(model_path, Path(model_path).name),
         "k": args.num_draft_tokens, "max_tokens": args.max_tokens, "threads": args.threads, "prompts": len(prompts),
         "overlap": not args.no_overlap, "load_average_start": os.getloadavg(),
         "single": {"engine": agg(single["engine"]), "http": agg(single["http"]), "greedy_mismatches": mismatches,
