@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--repeats", type=int, default=2, help="engine/HTTP pairs per prompt (one stream)")
     p.add_argument("--no-overlap", action="store_true")
+    p.add_argument("--fixed-k", action="store_true", help="K every step, in the engine and the coordinator alike")
     p.add_argument("--draft", default=None,
                    help="'prompt-lookup', a drafter model folder, or 'lookup+MODEL' (default: prompt-lookup, the "
                         "Serve default)")
@@ -106,7 +107,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if model_part is not None:
         model_path = str(resolve(model_part))
         draft = HYBRID_PREFIX + model_path if draft.startswith(HYBRID_PREFIX) else model_path
-    engine = SpeculativeEngine.from_pretrained(target, draft, EngineConfig(max_batch_size=16, max_seq_len=2048))
+    # The engine runs the K policy the coordinator runs (both adapt K per step for greedy requests, unless off).
+    engine = SpeculativeEngine.from_pretrained(target, draft, EngineConfig(max_batch_size=16, max_seq_len=2048),
+                                               adaptive_k=not args.fixed_k)
     samples = load_prompts(DEFAULT_PROMPTS, args.per_category)
     prompts = [engine.encode(s.prompt, chat=True) for s in samples]
     params = SamplingParams(max_tokens=args.max_tokens, seed=0)
@@ -121,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        {"method": "hybrid" if draft.startswith(HYBRID_PREFIX) else "model", "model": model_path,
                         "resources": {"torch_threads": args.threads}}),
            "speculation": {"num_draft_tokens": args.num_draft_tokens},
-           "coordinator": {"overlap": not args.no_overlap}}
+           "coordinator": {"overlap": not args.no_overlap, "adaptive_k": not args.fixed_k}}
     serve.run(build_app(cfg), name="bench", route_prefix="/", logging_config=quiet)
     url = f"http://127.0.0.1:{port}/v1/completions"
     model = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]

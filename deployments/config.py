@@ -99,6 +99,11 @@ class CoordinatorConfig(_Strict):
         True, description="Draft the next block while the current one is verified (optimistic: assumes "
         "every draft token and the drafter's guess of the bonus token are accepted; discarded otherwise)."
     )
+    adaptive_k: bool = Field(
+        True, description="Greedy requests draft 0..K tokens per step, whichever the step times and acceptance this "
+        "coordinator measures say pays most (pipeline.adaptive.AdaptiveK); sampled requests always draft their K, "
+        "so a seeded request replays exactly."
+    )
     draft_timeout_s: float = Field(10.0, gt=0, description="A drafter call slower than this counts as lost.")
     verify_timeout_s: float = Field(120.0, gt=0, description="A target call slower than this counts as lost.")
     replica_wait_s: float = Field(60.0, gt=0, description="How long to wait for a target worker to (re)appear.")

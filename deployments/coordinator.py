@@ -78,6 +78,8 @@ class _Run:
     persist: Optional[asyncio.Task] = None
     persist_broken: bool = False
     overlap_hit_rate: float = 1.0  # running estimate of how often a pre-draft is used (optimistic start)
+    steps: int = 0  # steps this loop ran (its first one also prefills the target: not a measure of K's cost)
+    k_used: dict[int, int] = field(default_factory=dict)  # K of this request's steps -> count
     timing: dict[str, float] = field(default_factory=lambda: {"draft_s": 0.0, "verify_s": 0.0, "step_s": 0.0})
     trace: Optional[dict] = None  # W3C context of this request's coordinator span (deployments.tracing)
     counters: dict[str, int] = field(default_factory=lambda: {
@@ -115,6 +117,11 @@ class Coordinator:
             self.local_drafter = PromptLookupDrafter() if method == "prompt_lookup" else hybrid_lookup()
         self.owner = f"{ctx.replica_id.unique_id}:{uuid.uuid4().hex[:8]}"
         self.active = 0
+        self.k_policy = None  # one per coordinator, over its requests; bucketed by how many it is serving
+        if self.cfg.coordinator.adaptive_k and method != "none":
+            from pipeline.adaptive import AdaptiveK
+
+            self.k_policy = AdaptiveK(max_k=64)
 
     async def model_info(self) -> dict[str, Any]:
         return {**self.info, "drafter": self.cfg.drafter.method, "has_tokenizer": self.tokenizer is not None}
@@ -237,6 +244,9 @@ class Coordinator:
         t0 = time.perf_counter()
         ctx = state.context
         want = min(run.spec_k, state.remaining - 1)
+        adapt = self.k_policy is not None and want > 0 and state.params.greedy
+        if adapt:
+            want = self.k_policy.choose(max(self.active, 1), want)
         draft = await self._draft(run, state, want) if want > 0 else Draft([])
         t1 = time.perf_counter()
         row = VerifyRow(
@@ -259,6 +269,11 @@ class Coordinator:
                                            state.params.seed, state.step)
         expected_step = state.step
         committed, text = state.commit(emitted, len(draft.tokens), num_accepted)
+        run.steps += 1
+        run.k_used[len(draft.tokens)] = run.k_used.get(len(draft.tokens), 0) + 1
+        if adapt:
+            self.k_policy.observe(max(self.active, 1), len(draft.tokens), time.perf_counter() - t0,
+                                  [len(draft.tokens)], [num_accepted], timed=run.steps > 1)
         if run.pre is not None and not (
             not state.finished and run.pre.step == state.step and run.pre.context_len == len(state.context)
             and state.context[-len(run.pre.tail):] == run.pre.tail
@@ -274,7 +289,9 @@ class Coordinator:
             run.timing["step_s"] += time.perf_counter() - t0
             event["speculation"] = {**state.stats.summary(), **run.counters, **{
                 f"coordinator_{k}": round(v, 4) for k, v in run.timing.items()}, "num_draft_tokens": run.spec_k,
-                                    "drafter": self.cfg.drafter.method, "seed": state.params.seed}
+                "adaptive_k": self.k_policy is not None and state.params.greedy,
+                "k_steps": {str(k): n for k, n in sorted(run.k_used.items())},  # K drafted -> steps
+                "drafter": self.cfg.drafter.method, "seed": state.params.seed}
         self._persist(run, state, expected_step, committed, event)
         if not state.finished:
             run.timing["step_s"] += time.perf_counter() - t0

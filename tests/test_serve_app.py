@@ -127,6 +127,10 @@ def test_target_only_and_other_k_give_the_same_greedy_tokens(client, engine):
                                         extra_body={"ignore_eos": True, "speculation": spec})
         assert out.choices[0].token_ids == want, spec
     assert out.speculation["num_draft_tokens"] == 6
+    # greedy: the coordinator's K policy chose K per step (0..6), and the tokens did not change
+    assert out.speculation["adaptive_k"] is True
+    steps = out.speculation["k_steps"]
+    assert sum(steps.values()) == out.speculation["target_passes"] and max(int(k) for k in steps) <= 6
     no_draft = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0,
                                          extra_body={"speculation": {"drafter": False}, "ignore_eos": True})
     assert no_draft.speculation["drafted"] == 0 and no_draft.speculation["target_passes"] == 5
@@ -142,6 +146,7 @@ def test_seeded_sampled_request_repeats_and_matches_the_engine(client, engine):
     assert a.choices[0].token_ids == b.choices[0].token_ids
     assert a.choices[0].token_ids != c.choices[0].token_ids
     assert a.speculation["seed"] == 1234
+    assert a.speculation["adaptive_k"] is False  # sampled: always the request's K (exact replay)
     before = engine.drafter.lookup_rows, engine.drafter.model_rows
     want = reference(engine, prompt, temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=48)
     assert a.choices[0].token_ids == want
