@@ -51,6 +51,7 @@ def load_config(args: argparse.Namespace):  # -> deployments.config.AppConfig
     import yaml
 
     from deployments.config import AppConfig
+    from pipeline.drafters import HYBRID_PREFIX
 
     data: dict[str, Any] = {}
     if args.config:
@@ -79,9 +80,9 @@ def load_config(args: argparse.Namespace):  # -> deployments.config.AppConfig
             put("drafter.method", "prompt_lookup")
         elif args.draft == "none":
             put("drafter.method", "none")
-        elif args.draft.startswith("lookup+"):
+        elif args.draft.startswith(HYBRID_PREFIX):
             put("drafter.method", "hybrid")
-            put("drafter.model", args.draft[len("lookup+"):])
+            put("drafter.model", args.draft[len(HYBRID_PREFIX):])
         else:
             put("drafter.method", "model")
             put("drafter.model", args.draft)
