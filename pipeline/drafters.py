@@ -260,8 +260,7 @@ class HybridDrafter:
     def __init__(self, model: ModelDrafter, lookup: PromptLookupDrafter | None = None) -> None:
         self.model = model
         self.lookup = lookup or hybrid_lookup()
-        self.name = f"lookup+{model.name}"
-        self.device = model.device
+        self.name = HYBRID_PREFIX + model.name
         self.lookup_rows = self.model_rows = 0  # rows served by each, for stats and tests
 
     def admit(self, request_id: str, context: Sequence[int]) -> None:
@@ -278,11 +277,10 @@ class HybridDrafter:
         to_model = [b for b, r in enumerate(rows) if r.num_draft and not found[b]]
         self.lookup_rows += sum(1 for f in found if f)
         self.model_rows += len(to_model)
-        top_k = draft_top_k
         tokens = torch.zeros(B, k, dtype=torch.int64)
         counts = torch.zeros(B, dtype=torch.int64)
-        top_ids = torch.zeros(B, k, top_k, dtype=torch.int64)
-        top_probs = torch.zeros(B, k, top_k, dtype=torch.float32)
+        top_ids = torch.zeros(B, k, draft_top_k, dtype=torch.int64)
+        top_probs = torch.zeros(B, k, draft_top_k, dtype=torch.float32)
         for b, f in enumerate(found):
             if f:  # a point mass at each looked-up token (the support's other entries repeat it at probability 0)
                 n = len(f)
@@ -293,9 +291,9 @@ class HybridDrafter:
         if to_model:
             idx = torch.tensor(to_model, dtype=torch.int64)
             sub = self.model.propose([rows[b] for b in to_model], k, sampling.select(to_model),
-                                     steps[idx.to(steps.device)], top_k).to("cpu")
+                                     steps[idx.to(steps.device)], draft_top_k).to("cpu")
             tokens[idx], counts[idx] = sub.token_ids, sub.num_draft
-            width = sub.top_ids.shape[-1]  # < top_k for a draft vocabulary smaller than top_k
+            width = sub.top_ids.shape[-1]  # < draft_top_k for a draft vocabulary smaller than top_k
             top_ids[idx, :, :width], top_probs[idx, :, :width] = sub.top_ids, sub.top_probs
             top_ids[idx, :, width:] = sub.top_ids[..., :1]  # padding: a repeated id at probability 0
         return DraftBlock(tokens, counts, top_ids, top_probs)

@@ -147,6 +147,11 @@ def skinny_linear(
 # "auto": time once per shape
 
 _Key = tuple  # (M, N, K, x dtype, w dtype, has bias, device)
+
+
+def _key(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> _Key:
+    return (x.shape[0], w.shape[0], x.shape[1], x.dtype, w.dtype, bias is not None, x.device)
+
 _choices: dict[_Key, Optional[SkinnyConfig]] = {}  # None: F.linear
 _timings: dict[_Key, dict[str, float]] = {}  # key -> {candidate: ms}, for reports (ops/check_skinny_linear.py)
 _warned_capture = False
@@ -170,7 +175,7 @@ def tune(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], reps: i
     """The fastest of F.linear and the kernel's candidates for this shape (None: F.linear), timed now."""
     M, K = x.shape
     N = w.shape[0]
-    key = (M, N, K, x.dtype, w.dtype, bias is not None, x.device)
+    key = _key(x, w, bias)
     flush = torch.empty(256 << 20, dtype=torch.int8, device=x.device)
     timings = {"torch": _time_ms(lambda: F.linear(x, w, bias), flush, reps)}
     best, best_ms = None, timings["torch"]
@@ -189,7 +194,7 @@ def tune(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], reps: i
 
 def _choose(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[SkinnyConfig]:
     global _warned_capture
-    key = (x.shape[0], w.shape[0], x.shape[1], x.dtype, w.dtype, bias is not None, x.device)
+    key = _key(x, w, bias)
     if key in _choices:
         return _choices[key]
     if torch.cuda.is_current_stream_capturing():
