@@ -118,7 +118,7 @@ def variant_label(name: str, graph: GraphCausalLM) -> str:
 def bench_ours(shape: str, batches: list[int], Ts: list[int], context: int, eager_batches: list[int],
                attention: str = "auto") -> list[dict]:
     dev = torch.device("cuda")
-    runner = random_llama(shape, dev, torch.bfloat16, seed=0)
+    runner = random_llama(shape, dev, dtype, seed=0)
     graph = GraphCausalLM(runner, variant_config(attention))
     graph.allocate(max(batches), context + 256)
     for c in runner.k_caches + runner.v_caches:
@@ -302,12 +302,14 @@ def hf_compiled_subprocess(args, shape: str, how: str, timeout_s: float) -> tupl
     return rows, err
 
 
-def profile_breakdown(shape: str, cases: list[tuple[int, int]], context: int, attention: str = "auto") -> list[dict]:
-    """Per-kernel-class GPU time of one captured step (torch.profiler over graph replays)."""
+def profile_breakdown(shape: str, cases: list[tuple[int, int]], context: int, attention: str = "auto",
+                      dtype: torch.dtype = torch.bfloat16, top: int = 0) -> list[dict]:
+    """Per-kernel-class GPU time of one captured step (torch.profiler over graph replays); `top` > 0 also logs
+    that many kernels, the most expensive first."""
     from torch.profiler import ProfilerActivity, profile
 
     dev = torch.device("cuda")
-    runner = random_llama(shape, dev, torch.bfloat16, seed=0)
+    runner = random_llama(shape, dev, dtype, seed=0)
     graph = GraphCausalLM(runner, variant_config(attention))
     graph.allocate(max(b for b, _ in cases), context + 256)
     out = []
@@ -323,6 +325,7 @@ def profile_breakdown(shape: str, cases: list[tuple[int, int]], context: int, at
                 g.replay()
             torch.cuda.synchronize()
         classes: dict[str, list[float]] = {}
+        kernels = []
         for e in prof.key_averages():
             t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
             if t <= 0:
@@ -336,6 +339,9 @@ def profile_breakdown(shape: str, cases: list[tuple[int, int]], context: int, at
             c = classes.setdefault(cls, [0.0, 0])
             c[0] += t / 1e3 / reps
             c[1] += e.count / reps
+            kernels.append((t / 1e3 / reps, e.count / reps, e.key[:90]))
+        for ms, count, name in sorted(kernels, reverse=True)[:top]:
+            log(f"    {ms:7.3f} ms {count:5.0f}x  {name}")
         row = {"model": shape, "B": B, "T": T, "attention": variant_label(attention, graph),
                "classes": {k: {"ms": v[0], "kernels": v[1]} for k, v in classes.items()}}
         out.append(row)

@@ -279,7 +279,7 @@ class SpeculativeEngine:
         positions = torch.tensor([len(s.context) - 1 for s in states], dtype=torch.int64)
         logits = self.target.forward(tokens, positions, torch.tensor(slots, dtype=torch.int64))  # [B, K+1, V]
         verified = verify(logits, draft, sampling, steps)
-        out = accept(verified, draft, sampling.seeds, steps)
+        out = accept(verified, draft, sampling.seeds, steps, sampling.all_greedy)
         num_accepted = out.num_accepted.tolist()  # the step's one deliberate host sync
         emitted = out.tokens.tolist()
         num_draft = draft.num_draft.tolist()

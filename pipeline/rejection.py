@@ -108,11 +108,16 @@ def accept(
     draft: DraftBlock,
     seeds: torch.Tensor,  # [B] int64
     steps: torch.Tensor,  # [B] int64
+    all_greedy: bool = False,  # every row greedy (SamplingTensors.all_greedy): acceptance is 0 or 1, no uniforms
 ) -> AcceptOutput:
     B, K = draft.token_ids.shape
     positions = torch.arange(K, device=draft.token_ids.device)  # [K]
-    u = uniform(seeds, steps, Stream.ACCEPT, K).to(verified.accept_probs.device)  # [B, K]
-    ok = (u < verified.accept_probs) & (positions[None, :] < draft.num_draft[:, None])  # [B, K]
+    if all_greedy:  # u < p for a u in (0, 1) and p in {0, 1} is p == 1: the same verdict without ~60 hash ops
+        ok = verified.accept_probs > 0.5
+    else:
+        u = uniform(seeds, steps, Stream.ACCEPT, K).to(verified.accept_probs.device)  # [B, K]
+        ok = u < verified.accept_probs
+    ok = ok & (positions[None, :] < draft.num_draft[:, None])  # [B, K]
     num_accepted = ok.long().cumprod(-1).sum(-1)  # [B]: length of the accepted prefix
     final = verified.target_tokens.gather(-1, num_accepted[:, None])  # [B, 1] recovered or bonus
     padded = torch.cat([draft.token_ids, final], dim=-1)  # [B, K+1]

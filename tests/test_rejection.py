@@ -39,13 +39,15 @@ GREEDY_TABLE = [
 
 @pytest.mark.parametrize("draft_tokens,num_draft,argmaxes,expected", GREEDY_TABLE)
 @pytest.mark.parametrize("with_probs", [False, True])
-def test_greedy_literal_table(draft_tokens, num_draft, argmaxes, expected, with_probs):
+@pytest.mark.parametrize("fast", [False, True], ids=["uniforms", "all-greedy-flag"])
+def test_greedy_literal_table(draft_tokens, num_draft, argmaxes, expected, with_probs, fast):
     K = len(draft_tokens)
     sampling = SamplingTensors.from_params([SamplingParams(temperature=0.0, seed=0)])
     top = dict(top_ids=torch.arange(V).expand(1, K, V).clone(), top_probs=torch.full((1, K, V), 1.0 / V)) if with_probs else {}
     draft = DraftBlock(torch.tensor([draft_tokens]), torch.tensor([num_draft]), **top)
     steps = torch.zeros(1, dtype=torch.int64)
-    out = accept(verify(_greedy_logits([argmaxes]), draft, sampling, steps), draft, sampling.seeds, steps)
+    out = accept(verify(_greedy_logits([argmaxes]), draft, sampling, steps), draft, sampling.seeds, steps,
+                 all_greedy=fast)
     n = int(out.num_accepted[0])
     assert out.tokens[0, : n + 1].tolist() == expected
 

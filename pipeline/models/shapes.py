@@ -24,6 +24,10 @@ SHAPES: dict[str, LlamaArgs] = {
     "llama-1b": LlamaArgs(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64,
                           intermediate_size=8192, tie_embeddings=True, **_COMMON),
 }
+# SmolLM2-135M (the demo target): 134.5M parameters, tied embeddings; for host-overhead profiles of its steps.
+SHAPES["smollm2-135m"] = LlamaArgs(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
+                                   intermediate_size=1536, tie_embeddings=True,
+                                   **{**_COMMON, "rope_theta": 100000.0})
 # The project's drafters keep a reduced output vocabulary (pipeline/distill): the 1B shape over 32768 rows.
 SHAPES["llama-1b-v32k"] = replace(SHAPES["llama-1b"], vocab_size=32768)
 
