@@ -112,6 +112,12 @@ def plan_splits(S: int, programs: int, block_n: int, sm_count: int, min_chunk: i
     return -(-S // chunk), chunk
 
 
+# float32 products as three TF32 tensor-core products ("tf32x3": float32-level error, 1.5-2.6e-7 of the largest
+# output in ops/check_decode_attention.py), not "ieee", which runs on the FMA units over query rows padded to 16:
+# H100, demo model shape, 32 rows x 1,024 keys, 30 layers: 1.00 ms against 2.26 ms (BENCHMARKS.md, issue 5).
+_DOT_PRECISION_F32 = "tf32x3"
+
+
 def launch_plan(B: int, Hkv: int, M: int, D: int, S: int, device: torch.device, num_splits: int | None = None,
                 block_n: int | None = None) -> dict[str, int]:
     """Block sizes, key chunk and number of splits of `triton_slot_attention` for these shapes (host-only)."""
@@ -176,7 +182,7 @@ def triton_slot_attention(
         M, T, S, chunk, num_splits, scale * math.log2(math.e), window or 0,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *pos.stride(), *out.stride(),
         HKV=Hkv, HEAD_D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_WINDOW=window is not None,
-        SINGLE=single, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SINGLE=single, DOT_PRECISION=_DOT_PRECISION_F32 if q.dtype == torch.float32 else "tf32",
         DOT_IN_F32=q.dtype == torch.bfloat16 and kern.interpreted(), **launch,
     )
     if not single:
