@@ -5,13 +5,15 @@ until the first rejection. A step with K drafts then emits, per row,
 
     expected_tokens(alpha, K) = 1 + alpha + ... + alpha^K = (1 - alpha^(K+1)) / (1 - alpha)
 
-tokens (accepted + one recovered or bonus token); K = 0 is plain decoding, exactly 1 token. A step of B rows
+tokens (accepted + one recovered or bonus token); K = 0 is plain decoding, exactly 1 token. A drafter may propose
+nothing for some rows (prompt lookup, where the context does not repeat): with a share `coverage` of the rows
+drafting, a row emits 1 + coverage * (expected_tokens - 1) on average (`row_tokens`). A step of B rows
 costs cost(B, K) seconds (drafting + the target pass + bookkeeping), measured on this machine as it runs.
-The chosen K maximises B * expected_tokens / cost over the candidates, K = 0 included, so when the target
+The chosen K maximises B * row_tokens / cost over the candidates, K = 0 included, so when the target
 turns compute-bound under load (verifying K+1 tokens per row costs more than decoding one) or acceptance
 drops, speculation switches itself off: throughput with it on does not fall below throughput with it off,
-up to the exploration steps that keep the measurements fresh (one step at a neighbouring K, at most one
-step in `explore_every`, rarer while the answer holds).
+up to the exploration steps that keep the measurements fresh (one step at a neighbouring K or at K = 0, at
+most one step in `explore_every`, rarer while the answer holds).
 
 Acceptance is a censored geometric observation: a row that drafted n tokens and had a accepted shows
 a successes and, if a < n, one failure. The estimate is the Beta(1, 1)-prior posterior mean over
@@ -40,10 +42,16 @@ def acceptance_rate(accepted: float, rejected: float, prior: tuple[float, float]
     return (accepted + a) / (accepted + rejected + a + b)
 
 
-def best_k(alpha: float, costs: dict[int, float]) -> int:
-    """argmax over k of expected_tokens(alpha, k) / costs[k]; ties go to the smaller k."""
+def best_k(alpha: float, costs: dict[int, float], coverage: float = 1.0) -> int:
+    """argmax over k of row_tokens(alpha, k, coverage) / costs[k]; ties go to the smaller k."""
     assert costs, "need at least one measured candidate"
-    return max(sorted(costs), key=lambda k: (expected_tokens(alpha, k) / costs[k], -k))
+    return max(sorted(costs), key=lambda k: (row_tokens(alpha, k, coverage) / costs[k], -k))
+
+
+def row_tokens(alpha: float, k: int, coverage: float = 1.0) -> float:
+    """Mean tokens per row of a step asking for k drafts, when only a `coverage` share of the rows gets any (prompt
+    lookup drafts only where the context repeats); the others emit exactly one token."""
+    return 1.0 + coverage * (expected_tokens(alpha, k) - 1.0)
 
 
 def batch_bucket(batch: int) -> int:
@@ -88,8 +96,11 @@ class AdaptiveK:
 
     Per batch bucket it first measures K = 0 and the smallest K > 0, extrapolates the cost of larger K
     linearly from them (and from every K measured later), and runs the best predicted K, which measures it.
-    Every `explore_every` steps (doubling while the best K stays the same) it runs a neighbour of the best K
-    once, so the costs and the acceptance estimate stay fresh (K = 0 alone would never observe acceptance).
+    Every `explore_every` steps (doubling while the best K stays the same) it runs once whichever of the best K's
+    neighbours and K = 0 was measured longest ago, so the costs and the acceptance estimate stay fresh (K = 0
+    alone would never observe acceptance), and so does the cost speculation has to beat (H100, 32 streams,
+    128-token answers: a K = 0 cost measured 40% high early on, never measured again, kept the policy at K = 3
+    for 0.93x of speculation off).
     A K's cost is the low median of its last `window` timed steps, so one stalled step (a GC pause) does not
     move it; a cost that rests on a single step, is older than `stale_after` steps, and is more than twice what
     the other K's costs predict for it is set aside and predicted from them instead (H100, 32 streams: one
@@ -106,6 +117,8 @@ class AdaptiveK:
     decay: float = 0.98  # per step that drafted anything (steps without drafts tell nothing), on the counts
     accepted: float = 0.0
     rejected: float = 0.0
+    drafted_rows: float = 0.0  # rows that got >= 1 draft token, of `asked_rows` asked for some (decayed as the counts)
+    asked_rows: float = 0.0
     steps: int = 0
     _cost: dict[tuple[int, int], float] = field(default_factory=dict)  # (batch bucket, k) -> seconds/step
     _recent: dict[tuple[int, int], deque] = field(default_factory=dict)  # (batch bucket, k) -> last step times
@@ -123,6 +136,11 @@ class AdaptiveK:
     @property
     def alpha(self) -> float:
         return acceptance_rate(self.accepted, self.rejected)
+
+    @property
+    def coverage(self) -> float:
+        """Share of rows asked for drafts that got any (prior: all of one row)."""
+        return (self.drafted_rows + 1.0) / (self.asked_rows + 1.0)
 
     def costs(self, batch: int) -> dict[int, float]:
         b = batch_bucket(batch)
@@ -145,7 +163,7 @@ class AdaptiveK:
             others = {j: c for j, c in measured.items() if j != k}
             if len(others) >= 2 and measured[k] > 2 * interpolate_costs(others, [k])[k]:
                 del measured[k]
-        best = best_k(self.alpha, interpolate_costs(measured, cands))
+        best = best_k(self.alpha, interpolate_costs(measured, cands), self.coverage)
         due, interval, last_best = self._explore.get(b, (self.steps + self.explore_every, self.explore_every, best))
         if best != last_best:  # the answer moved: look around it again soon
             due, interval = self.steps + self.explore_every, self.explore_every
@@ -153,8 +171,10 @@ class AdaptiveK:
             interval = min(2 * interval, self.max_explore_every)
             self._explore[b] = (self.steps + interval, interval, best)
             i = cands.index(best)
-            neighbours = [cands[j] for j in (i - 1, i + 1) if 0 <= j < len(cands)]
-            return min(neighbours, key=lambda k: self._last.get((b, k), -1)) if neighbours else best
+            # The neighbours of the best K, and K = 0 (the baseline speculation must beat) whatever the best K:
+            # whichever was measured longest ago. A cost that is never measured again never gets corrected.
+            near = {cands[j] for j in (i - 1, i + 1) if 0 <= j < len(cands)} | ({0} if best != 0 else set())
+            return min(sorted(near), key=lambda k: self._last.get((b, k), -1)) if near else best
         self._explore[b] = (due, interval, best)
         return best
 
@@ -169,8 +189,11 @@ class AdaptiveK:
     ) -> None:
         self.steps += 1
         key = (batch_bucket(batch), k)
-        self.accepted *= self.decay if any(n > 0 for n in num_draft) else 1.0
-        self.rejected *= self.decay if any(n > 0 for n in num_draft) else 1.0
+        decay = self.decay if any(n > 0 for n in num_draft) else 1.0
+        self.accepted, self.rejected = self.accepted * decay, self.rejected * decay
+        if k > 0:  # a step that asked for drafts: how many rows got some
+            self.drafted_rows = self.drafted_rows * self.decay + sum(1 for n in num_draft if n > 0)
+            self.asked_rows = self.asked_rows * self.decay + len(num_draft)
         for n, a in zip(num_draft, num_accepted):
             self.accepted += a
             self.rejected += 1 if a < n else 0

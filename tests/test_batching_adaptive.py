@@ -222,3 +222,54 @@ def test_policy_is_not_misled_by_stalled_steps(seed):
     # A 200-step run pays for learning (about 10 steps at K=1); without forgetting the stalled K=4 the policy
     # stays at K=1: 0.53-0.64 of the best fixed K on these seeds.
     assert _simulate_with_stalls(AdaptiveK(max_k=4), 0, 200, seed) >= 0.8 * best_fixed
+
+
+def _simulate_coverage(policy: AdaptiveK | None, k_fixed: int, steps: int, coverage: float, seed: int = 0,
+                       first_k0_cost: float | None = None) -> float:
+    """32 rows; only a `coverage` share of the rows gets drafts at all (prompt lookup where the context repeats),
+    those accept each draft with probability 0.8. A decode step costs 1.0, a verify step 1.6 + 0.05 K (a target
+    that verifying makes compute-bound). `first_k0_cost`: K = 0 steps within the first 20 measure this instead (a
+    warm-up period), as on an H100 where K = 0 was measured 40% high early and never again."""
+    rng = random.Random(seed)
+    tokens = seconds = 0.0
+    for step in range(steps):
+        k = policy.choose(32, 4) if policy else k_fixed
+        cost = 1.0 if k == 0 else 1.6 + 0.05 * k
+        seconds += cost
+        if k == 0 and first_k0_cost is not None and step < 20:
+            cost = first_k0_cost
+        drafts = [k if rng.random() < coverage else 0 for _ in range(32)]
+        accepted = []
+        for n in drafts:
+            a = 0
+            while a < n and rng.random() < 0.8:
+                a += 1
+            accepted.append(a)
+        tokens += sum(a + 1 for a in accepted)
+        if policy:
+            policy.observe(32, k, cost, drafts, accepted)
+    return tokens / seconds
+
+
+def test_policy_counts_rows_without_drafts():
+    """With 30% of rows drafting, speculation costs more than it emits (fixed K=4: 0.95x of off), though each
+    drafted token is accepted 80% of the time. Acceptance alone would pick K=4; with the coverage the policy stays
+    at K=0."""
+    off = _simulate_coverage(None, 0, 400, 0.3)
+    assert _simulate_coverage(None, 4, 400, 0.3) < 0.97 * off
+    policy = AdaptiveK(max_k=4)
+    assert _simulate_coverage(policy, 0, 400, 0.3) >= 0.97 * off
+    assert 0.2 < policy.coverage < 0.4 and policy.choose(32, 4) == 0
+    full = AdaptiveK(max_k=4)  # every row drafting: the same costs pay for K=4
+    _simulate_coverage(full, 0, 400, 1.0)
+    assert full.choose(32, 4) == 4
+
+
+def test_policy_remeasures_the_cost_of_no_speculation():
+    """K = 0 measured 1.9x its real cost in the first steps: exploration must come back to K = 0 and correct it
+    (without that, the policy stays at K=4: 0.94x of off, against 0.97x with it)."""
+    off = _simulate_coverage(None, 0, 600, 0.3)
+    policy = AdaptiveK(max_k=4)
+    on = _simulate_coverage(policy, 0, 600, 0.3, first_k0_cost=1.9)
+    assert policy.choose(32, 4) == 0 and policy.costs(32)[0] == pytest.approx(1.0)
+    assert on >= 0.9 * off
