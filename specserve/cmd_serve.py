@@ -1,7 +1,7 @@
 """`specserve serve`: start Ray locally, Redis (embedded unless --redis-url / REDIS_URL), every deployment on
 this machine's CPU with the demo pair, print the URL, serve until Ctrl-C, then shut everything down.
 
-    specserve serve                                  # demo target + prompt-lookup drafter, port 8000
+    specserve serve                                  # demo target + lookup+smollm2-135m-distill, port 8000
     specserve serve --config deployments/serve_config.yaml --port 8080
     specserve serve --draft path/to/drafter -k 4 --redis-url redis://host:6379/0
 
@@ -31,8 +31,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--name", default="specserve", help="Serve application name")
     p.add_argument("--target", default=None, help="target model folder or .gguf (default: the demo model)")
     p.add_argument("--draft", default=None,
-                   help="drafter: 'prompt-lookup' (default), 'none', a drafter model folder, or 'lookup+MODEL' "
-                        "(prompt lookup where the context matches, the model on drafter replicas elsewhere)")
+                   help="drafter: 'prompt-lookup', 'none', a drafter model folder, or 'lookup+MODEL' (prompt lookup "
+                        "where the context matches, the model on drafter replicas elsewhere). Default: the config "
+                        "file's; without one, lookup+smollm2-135m-distill for the demo target, else prompt-lookup")
     p.add_argument("-k", "--num-draft-tokens", type=int, default=None, help="default K per request")
     p.add_argument("--redis-url", default=None, help="external Redis (default: $REDIS_URL, else embedded)")
     p.add_argument("--served-model-name", default=None)
@@ -52,6 +53,7 @@ def load_config(args: argparse.Namespace):  # -> deployments.config.AppConfig
 
     from deployments.config import AppConfig
     from pipeline.drafters import HYBRID_PREFIX
+    from pipeline.models.store import DEMO_TARGET
 
     data: dict[str, Any] = {}
     if args.config:
@@ -75,17 +77,23 @@ def load_config(args: argparse.Namespace):  # -> deployments.config.AppConfig
         node[leaf] = value
 
     put("target.model", args.target)
-    if args.draft is not None:
-        if args.draft in ("prompt-lookup", "prompt_lookup"):
+    draft = args.draft
+    if draft is None and "method" not in (data.get("drafter") or {}):
+        from pipeline.engine import default_draft
+
+        target = (data.get("target") or {}).get("model")
+        draft = default_draft(target) if target is None or target == DEMO_TARGET else None
+    if draft is not None:
+        if draft in ("prompt-lookup", "prompt_lookup"):
             put("drafter.method", "prompt_lookup")
-        elif args.draft == "none":
+        elif draft == "none":
             put("drafter.method", "none")
-        elif args.draft.startswith(HYBRID_PREFIX):
+        elif draft.startswith(HYBRID_PREFIX):
             put("drafter.method", "hybrid")
-            put("drafter.model", args.draft[len(HYBRID_PREFIX):])
+            put("drafter.model", draft[len(HYBRID_PREFIX):])
         else:
             put("drafter.method", "model")
-            put("drafter.model", args.draft)
+            put("drafter.model", draft)
     put("speculation.num_draft_tokens", args.num_draft_tokens)
     put("redis_url", args.redis_url)
     put("served_model_name", args.served_model_name)

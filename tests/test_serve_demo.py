@@ -1,6 +1,7 @@
-"""The demo pair served end to end (SmolLM2-135M-Instruct target, prompt-lookup drafter, the defaults of
-`specserve serve`): greedy output through HTTP equals the core engine's and Hugging Face's, for completions
-and chat, streamed (openai client, curl -N) and not, with stop strings."""
+"""The demo pair served end to end (SmolLM2-135M-Instruct target; prompt lookup in the coordinator and the shipped
+distilled drafter on a drafter replica, the default of `specserve serve`): greedy output through HTTP equals the
+core engine's and Hugging Face's, for completions and chat, streamed (openai client, curl -N) and not, with stop
+strings."""
 
 from __future__ import annotations
 
@@ -25,7 +26,10 @@ def server(demo_path):
 
     from deployments.app import build_app
 
-    url = run_app(build_app({"target": {"model": demo_path, "max_seq_len": 1024}}), APP)
+    from pipeline.models.store import DEMO_DRAFT, resolve
+
+    drafter = {"method": "hybrid", "model": str(resolve(DEMO_DRAFT))}
+    url = run_app(build_app({"target": {"model": demo_path, "max_seq_len": 1024}, "drafter": drafter}), APP)
     yield url
     serve.delete(APP)
 
@@ -42,7 +46,11 @@ def engine(demo_path):
     from pipeline.config import EngineConfig
     from pipeline.engine import SpeculativeEngine
 
-    return SpeculativeEngine.from_pretrained(demo_path, "prompt-lookup", EngineConfig(max_batch_size=1, max_seq_len=1024))
+    from pipeline.drafters import HYBRID_PREFIX
+    from pipeline.models.store import DEMO_DRAFT
+
+    return SpeculativeEngine.from_pretrained(demo_path, HYBRID_PREFIX + DEMO_DRAFT,
+                                             EngineConfig(max_batch_size=1, max_seq_len=1024))
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +81,7 @@ def test_greedy_completion_equals_engine_and_hf(client, engine, hf):
     assert got == hf_greedy(hf, ids, N)[: len(got)]
     assert full.choices[0].text == engine.tokenizer.decode(got, skip_special_tokens=True)
     assert full.usage.prompt_tokens == len(ids)
-    assert full.speculation["drafter"] == "prompt_lookup"
+    assert full.speculation["drafter"] == "hybrid"
 
     streamed = client.completions.create(model=model, prompt=PROMPT, max_tokens=N, temperature=0, stream=True)
     text = "".join(c.choices[0].text for c in streamed if c.choices)

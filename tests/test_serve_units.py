@@ -242,7 +242,11 @@ def test_cli_overrides_the_config_file():
     assert c.target.resources.torch_threads == 2 and c.coordinator.overlap is False
     assert c.target.max_seq_len == 2048  # from the file
     assert load_config(_serve_args("--draft", "none")).drafter.method == "none"
-    assert load_config(_serve_args()).drafter.method == "prompt_lookup"  # the demo pair
+    demo = load_config(_serve_args())  # the demo target: prompt lookup + its shipped distilled drafter
+    assert demo.drafter.method == "hybrid" and demo.drafter.model == "smollm2-135m-distill"
+    assert load_config(_serve_args("--target", "/m/other")).drafter.method == "prompt_lookup"  # the config default
+    # a config file that names its drafter keeps it
+    assert load_config(_serve_args("--config", "deployments/serve_config.yaml")).drafter.method == "prompt_lookup"
 
 
 def test_serve_config_file_is_valid_and_builds_the_app():
