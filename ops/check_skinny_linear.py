@@ -2,14 +2,16 @@
 (cuBLAS), correctness and speed per weight shape, one table.
 
     python3 ops/check_skinny_linear.py [--out $OUT] [--rows 1,5,16] [--sets 8b,1b,8b-tp2,8b-tp4,70b-tp4]
+    python3 ops/check_skinny_linear.py --sets demo --dtype float32 --rows 1,32,160   # the float32 demo target
 
-Per weight matrix of the model shapes (bf16, random) and row count M: `skinny_linear.tune` times F.linear and
+Per weight matrix of the model shapes (random, bf16 unless --dtype) and row count M: `skinny_linear.tune` times F.linear and
 every candidate configuration of the kernel, the L2 cache flushed before each timed call (in a model the
 previous layer's weights have evicted this one), median of 7. GB/s = weight bytes / time; "x copy" divides by
 the card's copy bandwidth (bytes read + written / time of a 4 GiB device-to-device copy). The best kernel and
-F.linear are both compared with a float32 product of the same inputs.
+F.linear are both compared with a float64 product of the same inputs.
 
-Exit status 1 when a kernel's error passes 2x F.linear's own bf16 error (and 1e-2 of the largest output).
+Exit status 1 when a kernel's error passes 2x F.linear's own error and `FLOOR` (1e-2 of the largest output for
+bf16/fp16, 1e-5 for float32).
 """
 
 from __future__ import annotations
@@ -39,7 +41,14 @@ SETS = {
                ("lm_head", 32064, 4096)],
     "70b-tp4": [("qkv", 2560, 8192), ("o", 8192, 2048), ("gate_up", 14336, 8192), ("down", 8192, 7168),
                 ("lm_head", 32064, 8192)],
+    # the demo target, SmolLM2-135M (float32 in the demo: --dtype float32 --rows 1,32,160)
+    "demo": [("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536),
+             ("lm_head", 49152, 576)],
 }
+DEFAULT_SETS = "8b,1b,8b-tp2,8b-tp4,70b-tp4"
+# A kernel is off when its error passes max(2x F.linear's own, this) of the largest output: bf16/fp16 products
+# round to their dtype; float32 ones (tf32x3 against cuBLAS's FMA) must stay at float32 rounding level.
+FLOOR = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-5}
 
 
 def copy_GBps(gib: float = 4.0) -> float:
@@ -62,36 +71,38 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=None)
     p.add_argument("--rows", default="1,5,16")
-    p.add_argument("--sets", default=",".join(SETS))
+    p.add_argument("--sets", default=DEFAULT_SETS, help=f"of {','.join(SETS)}")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     args = p.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
     bw = copy_GBps()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw:.0f} GB/s", flush=True)
     rows, bad = [], 0
     for set_name in args.sets.split(","):
         for name, N, K in SETS[set_name]:
-            w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
+            w = torch.randn(N, K, device="cuda", dtype=dtype) / K ** 0.5
             for M in (int(m) for m in args.rows.split(",")):
-                x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+                x = torch.randn(M, K, device="cuda", dtype=dtype)
                 best = sl.tune(x, w, None)
                 timings = sl._timings[sl._key(x, w, None)]
-                ref = F.linear(x.float(), w.float())
+                ref = F.linear(x.double(), w.double())
                 scale = float(ref.abs().max())
                 torch_err = float((F.linear(x, w).float() - ref).abs().max()) / scale
                 kernel = best or sl.default_config(M, N, K, torch.cuda.get_device_properties(0).multi_processor_count)
                 err = float((sl.skinny_linear(x, w, None, kernel).float() - ref).abs().max()) / scale
-                ok = err <= max(2 * torch_err, 1e-2)
+                ok = err <= max(2 * torch_err, FLOOR[dtype])
                 bad += not ok
                 tri = {k: v for k, v in timings.items() if k != "torch"}
                 name_best = min(tri, key=tri.get) if tri else "-"
-                gb = N * K * 2 / 1e9
+                gb = N * K * w.element_size() / 1e9
                 row = {"set": set_name, "weight": name, "N": N, "K": K, "M": M, "torch_ms": timings["torch"],
                        "triton_ms": tri.get(name_best), "triton_config": name_best, "choice": "torch" if best is None
                        else name_best, "torch_GBps": gb / (timings["torch"] / 1e3),
                        "triton_GBps": gb / (tri[name_best] / 1e3) if tri else None, "err": err,
                        "torch_err": torch_err, "ok": ok}
                 rows.append(row)
-                print(f"{set_name:8s} {name:8s} N={N:6d} K={K:5d} M={M:2d}: torch {timings['torch'] * 1e3:7.1f} us "
+                print(f"{set_name:8s} {name:8s} N={N:6d} K={K:5d} M={M:3d}: torch {timings['torch'] * 1e3:7.1f} us "
                       f"({row['torch_GBps'] / bw:.2f} x copy), triton {name_best} "
                       f"{(tri.get(name_best) or float('nan')) * 1e3:7.1f} us "
                       f"({(row['triton_GBps'] or 0) / bw:.2f} x copy), err {err:.1e} (torch {torch_err:.1e})"
