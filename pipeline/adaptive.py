@@ -191,7 +191,9 @@ class AdaptiveK:
         key = (batch_bucket(batch), k)
         decay = self.decay if any(n > 0 for n in num_draft) else 1.0
         self.accepted, self.rejected = self.accepted * decay, self.rejected * decay
-        if k > 0:  # a step that asked for drafts: how many rows got some
+        # Coverage: of the rows of a step that drafted, how many got drafts. A host-side drafter's step where no row
+        # got any arrives here as a K = 0 step (the engine trims the block): it cost a decode step and is one.
+        if k > 0:
             self.drafted_rows = self.drafted_rows * self.decay + sum(1 for n in num_draft if n > 0)
             self.asked_rows = self.asked_rows * self.decay + len(num_draft)
         for n, a in zip(num_draft, num_accepted):

@@ -53,7 +53,6 @@ def load_config(args: argparse.Namespace):  # -> deployments.config.AppConfig
 
     from deployments.config import AppConfig
     from pipeline.drafters import HYBRID_PREFIX
-    from pipeline.models.store import DEMO_TARGET
 
     data: dict[str, Any] = {}
     if args.config:
@@ -78,11 +77,10 @@ def load_config(args: argparse.Namespace):  # -> deployments.config.AppConfig
 
     put("target.model", args.target)
     draft = args.draft
-    if draft is None and "method" not in (data.get("drafter") or {}):
+    if draft is None and "method" not in (data.get("drafter") or {}):  # as `generate`: the target's default drafter
         from pipeline.engine import default_draft
 
-        target = (data.get("target") or {}).get("model")
-        draft = default_draft(target) if target is None or target == DEMO_TARGET else None
+        draft = default_draft((data.get("target") or {}).get("model"))
     if draft is not None:
         if draft in ("prompt-lookup", "prompt_lookup"):
             put("drafter.method", "prompt_lookup")
