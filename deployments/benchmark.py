@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--no-overlap", action="store_true")
     p.add_argument("--fixed-k", action="store_true", help="K every step, in the engine and the coordinator alike")
     p.add_argument("--draft", default=None,
-                   help="'prompt-lookup', a drafter model folder, or 'lookup+MODEL' (default: prompt-lookup, the "
-                        "Serve default)")
+                   help="'prompt-lookup', a drafter model folder, or 'lookup+MODEL' (default: the demo target's "
+                        "default drafter, as `specserve serve` deploys it)")
     p.add_argument("--out", default="bench-serve")
     args = p.parse_args(argv)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -96,13 +96,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from deployments.app import build_app
     from pipeline.config import EngineConfig, SamplingParams, SpecParams
     from pipeline.drafters import HYBRID_PREFIX, draft_model_spec
-    from pipeline.engine import SpeculativeEngine
+    from pipeline.engine import SpeculativeEngine, default_draft
     from pipeline.models.store import resolve
     from specserve.bench import DEFAULT_PROMPTS, load_prompts, machine
 
     torch.set_num_threads(args.threads)
     target = str(resolve(None))
-    draft = args.draft or "prompt-lookup"  # the Serve pipeline's default drafter
+    draft = args.draft or default_draft(None)  # what `specserve serve` deploys for the demo target
     model_part = draft_model_spec(draft)
     if model_part is not None:
         model_path = str(resolve(model_part))
