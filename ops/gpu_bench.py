@@ -118,7 +118,7 @@ def variant_label(name: str, graph: GraphCausalLM) -> str:
 def bench_ours(shape: str, batches: list[int], Ts: list[int], context: int, eager_batches: list[int],
                attention: str = "auto") -> list[dict]:
     dev = torch.device("cuda")
-    runner = random_llama(shape, dev, dtype, seed=0)
+    runner = random_llama(shape, dev, torch.bfloat16, seed=0)
     graph = GraphCausalLM(runner, variant_config(attention))
     graph.allocate(max(batches), context + 256)
     for c in runner.k_caches + runner.v_caches:

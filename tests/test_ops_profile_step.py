@@ -26,4 +26,4 @@ def test_profile_step_on_cpu(tmp_path):
         phases = [row[f"{p}_ms"] for p in ("sampling", "propose", "target", "verify", "accept")]
         assert min(phases) >= 0 and row["rest_ms"] >= 0 and row["target_ms"] > 0
         assert abs(sum(phases) + row["rest_ms"] - row["step_ms"]) < 1e-6
-    assert f"| 2 | 3.00 |" in out.stdout
+    assert "| 2 | 3.00 |" in out.stdout
