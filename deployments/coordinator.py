@@ -31,7 +31,7 @@ from pipeline.rejection import accept_row
 from deployments.config import DRAFTER, TARGET, AppConfig
 from deployments.drafter_replica import ProposeRow
 from deployments.protocol import APIError
-from deployments.redis_state import NotOwner, RequestStore
+from deployments.redis_state import NotOwner, RequestStore, redis_url_getter
 from deployments.target_replica import VerifyRow
 from deployments.workers import CACHE_MISS, WorkerPool, is_actor_lost
 
@@ -95,14 +95,8 @@ class Coordinator:
         torch.set_num_threads(1)
         self.cfg = AppConfig.model_validate(config)
         self.info = await target.info.remote()  # waits until a target replica is up
-        url = self.cfg.redis_url or await redis.url.remote()
-        self.store = RequestStore.from_url(url, self.cfg.redis_namespace, self.cfg.request_ttl_s)
-        try:
-            await self.store.client.ping()
-        except Exception as err:  # noqa: BLE001
-            from deployments.embedded_redis import redact
-
-            raise RuntimeError(f"Redis at {redact(url)} is unreachable: {err}") from None
+        self.store = await RequestStore.connect(redis_url_getter(self.cfg, redis), self.cfg.redis_namespace,
+                                                self.cfg.request_ttl_s)
         from pipeline.models.loader import load_tokenizer
 
         self.tokenizer = load_tokenizer(self.info["path"])

@@ -31,7 +31,7 @@ from deployments.protocol import (
     APIError, chat_chunk, completion_chunk, full_response, models_list, now, parse_request,
     resolve_max_tokens, usage, usage_chunk,
 )
-from deployments.redis_state import RequestStore
+from deployments.redis_state import RequestStore, redis_url_getter
 from deployments.sse import event_id, parse_event_id, sse_stream
 
 logger = logging.getLogger(__name__)
@@ -60,8 +60,8 @@ class OpenAIIngress:
             from pipeline.models.loader import load_tokenizer
 
             self.tokenizer = load_tokenizer(info["path"])
-        url = self.cfg.redis_url or await redis.url.remote()
-        self.store = RequestStore.from_url(url, self.cfg.redis_namespace, self.cfg.request_ttl_s)
+        self.store = await RequestStore.connect(redis_url_getter(self.cfg, redis), self.cfg.redis_namespace,
+                                                self.cfg.request_ttl_s)
         self.created = now()
 
     # -- routes ----------------------------------------------------------------------------------------

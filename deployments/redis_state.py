@@ -16,13 +16,18 @@ were streamed but not yet persisted.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 import redis.asyncio as aioredis
 
 from deployments.tracing import traced
+
+log = logging.getLogger(__name__)
 
 # KEYS: meta, ids, events. ARGV: owner, expected_step, new_step, ttl, emitted_chars, finish_reason,
 # status, stats_json, event_json, ids...
@@ -127,6 +132,35 @@ class RequestStore:
                                           health_check_interval=30)
         return cls(client, namespace, ttl_s)
 
+    @classmethod
+    async def connect(
+        cls,
+        get_url: Callable[[], Awaitable[str]],
+        namespace: str = "specserve",
+        ttl_s: int = 3600,
+        wait_s: float = 60.0,
+        retry_s: float = 1.0,
+    ) -> "RequestStore":
+        """A store whose server answered PING, waiting up to `wait_s` for one that is (re)starting. The URL is asked
+        again on every try: an embedded redis-server whose Serve replica is being replaced comes back on a new
+        port. (CI, once: the demo app's embedded server was gone seconds after it started, and three coordinator
+        replicas, each failing its first ping, failed the deployment before Serve had replaced the server.)"""
+        from deployments.embedded_redis import redact
+
+        deadline = time.monotonic() + wait_s
+        while True:
+            url = await get_url()
+            store = cls.from_url(url, namespace, ttl_s)
+            try:
+                await store.client.ping()
+                return store
+            except Exception as err:  # noqa: BLE001 - any failure to answer is "not yet"
+                await store.close()
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(f"Redis at {redact(url)} is unreachable: {err}") from None
+                log.warning("Redis at %s does not answer yet (%s); retrying", redact(url), err)
+                await asyncio.sleep(retry_s)
+
     async def close(self) -> None:
         await self.client.aclose()
 
@@ -212,3 +246,13 @@ class RequestStore:
 
     async def ttl(self, rid: str) -> int:
         return int(await self.client.ttl(self.keys(rid)[0]))
+
+
+def redis_url_getter(cfg: Any, redis: Any) -> Callable[[], Awaitable[str]]:
+    """`RequestStore.connect`'s URL source for a replica: the configured `redis_url`, else the embedded server's
+    deployment handle (asked again on every try)."""
+
+    async def get() -> str:
+        return cfg.redis_url or await redis.url.remote()
+
+    return get

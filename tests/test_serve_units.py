@@ -202,6 +202,29 @@ def test_request_store_commit_fencing_take_over_and_ttl(redis_server):
     asyncio.run(run())
 
 
+def test_store_connect_waits_for_a_restarted_server_on_its_new_url(redis_server):
+    """An embedded server being replaced comes back on a new port: connect keeps asking for the URL and pinging
+    until one answers, and gives up with a clear error after `wait_s`."""
+    from deployments.embedded_redis import _free_port
+
+    dead = f"redis://127.0.0.1:{_free_port('127.0.0.1')}/0"  # nothing listens there
+    asked = []
+
+    async def url() -> str:  # the first two answers are the server that died
+        asked.append(1)
+        return dead if len(asked) <= 2 else redis_server.url
+
+    async def run():
+        store = await RequestStore.connect(url, namespace=f"t{uuid.uuid4().hex[:6]}", wait_s=30, retry_s=0.05)
+        assert await store.client.ping()
+        await store.close()
+        with pytest.raises(RuntimeError, match="is unreachable"):
+            await RequestStore.connect(lambda: asyncio.sleep(0, dead), wait_s=0.2, retry_s=0.05)
+
+    asyncio.run(run())
+    assert len(asked) == 3
+
+
 def test_state_dict_round_trips_into_the_pipeline_request_state(redis_server):
     from pipeline.config import SamplingParams
     from pipeline.sequence import RequestState
