@@ -13,8 +13,11 @@ torch.compile(mode="reduce-overhead")). floor = (weights read once + KV read + K
 `--attention` lists the graph runner's attention variants to time (`GraphConfig.attention`: triton = the
 split-KV kernel reading the cache in place, sdpa = slot gather + SDPA, auto = the defaults) or runner
 variants (`VARIANTS`: prev = triton attention with cuBLAS linears and the unfused RoPE/cache write, rope = +
-the fused RoPE/cache write, kernels = + the tuned skinny linears): one table row, one profile and one set of
-checks per variant (checks of a variant past the first are suffixed).
+the fused RoPE/cache write, kernels = + the tuned skinny linears, fused = the fused layer of
+`pipeline.models.fused_linear` with programmatic dependent launch on every call of up to 16 rows (auto takes
+it for batch-1 calls), fused-nopdl = without PDL, fused-early = PDL letting the next kernel launch as soon as
+a kernel has waited, fused-pf8 = + an 8 MB L2 weight prefetch per kernel before it waits): one table row, one
+profile and one set of checks per variant (checks of a variant past the first are suffixed).
 demo: the demo target and the default drafter (prompt lookup) end to end, greedy: this engine vs HF generate
 vs HF assisted generation with the same drafter (`specserve.bench.run_bench`); then 32 concurrent requests
 with speculation off, on at fixed K and on with the adaptive K policy: aggregate tokens/s.
@@ -100,14 +103,30 @@ def floor_ms(shape: str, B: int, T: int, context: int, bw_GBps: float) -> float:
 
 # Graph-runner variants `--attention` may name besides a plain attention kind (auto, triton, sdpa):
 VARIANTS = {
-    "prev": {"attention": "triton", "linear": "torch", "fused_rope": False},  # the 2026-11-26 06:40 runner
-    "rope": {"attention": "triton", "linear": "torch", "fused_rope": True},  # + the fused RoPE/cache write
-    "kernels": {"attention": "triton", "linear": "auto", "fused_rope": True},  # + tuned skinny linears
+    "prev": {"attention": "triton", "linear": "torch", "fused_rope": False, "fused_layer": False},  # 06:40's
+    "rope": {"attention": "triton", "linear": "torch", "fused_rope": True, "fused_layer": False},  # + RoPE/cache
+    "kernels": {"attention": "triton", "linear": "auto", "fused_rope": True, "fused_layer": False},  # + linears
+    # the fused layer (pipeline.models.fused_linear) with programmatic dependent launch, and its alternatives
+    "fused": {"attention": "triton", "fused_rope": True, "fused_layer": True},
+    "fused-nopdl": {"attention": "triton", "fused_rope": True, "fused_layer": True, "pdl": False},
+    "fused-early": {"attention": "triton", "fused_rope": True, "fused_layer": True, "_late_trigger": False},
+    "fused-pf8": {"attention": "triton", "fused_rope": True, "fused_layer": True, "_prefetch_mb": 8},
 }
 
 
 def variant_config(name: str) -> GraphConfig:
-    return GraphConfig(**VARIANTS[name]) if name in VARIANTS else GraphConfig(attention=name)
+    """The variant's GraphConfig; also sets the fused layer's L2 prefetch budget (a process-wide setting read
+    when a shape is captured) to the variant's, or the default."""
+    import pipeline.models.fused_linear as fl
+
+    v = dict(VARIANTS.get(name, {"attention": name}))
+    fl.PREFETCH_BYTES = int(float(v.pop("_prefetch_mb", _DEFAULT_PREFETCH_MB)) * (1 << 20))
+    fl.LATE_TRIGGER = v.pop("_late_trigger", _DEFAULT_LATE_TRIGGER)
+    return GraphConfig(**v)
+
+
+_DEFAULT_PREFETCH_MB = os.environ.get("SPECSERVE_PDL_PREFETCH_MB", "0")
+_DEFAULT_LATE_TRIGGER = os.environ.get("SPECSERVE_PDL_TRIGGER", "late") == "late"
 
 
 def variant_label(name: str, graph: GraphCausalLM) -> str:
@@ -331,7 +350,8 @@ def profile_breakdown(shape: str, cases: list[tuple[int, int]], context: int, at
             if t <= 0:
                 continue
             n = e.key.lower()
-            cls = ("gemm" if any(w in n for w in ("gemm", "gemv", "cutlass", "nvjet", "sm90_xmma", "splitk", "skinny")) else
+            cls = ("gemm" if any(w in n for w in ("gemm", "gemv", "cutlass", "nvjet", "sm90_xmma", "splitk", "skinny",
+                                                  "fused_linear")) else
                    "rope/cache write" if "rope_cache_write" in n else
                    "attention" if any(w in n for w in ("fmha", "attention", "flash")) else
                    "triton (compiled)" if "triton" in n else
@@ -374,10 +394,16 @@ def run_steps(args, result: dict, save: Callable[[], None]) -> None:
     for name, c in result["linear_choices"].items():
         t = c["timings_ms"]
         log(f"linear {name}: {c['choice']} ({min(t.values()):.4f} ms; torch {t.get('torch', float('nan')):.4f} ms)")
+    from pipeline.models.fused_linear import chosen as fused_chosen
+    result["fused_choices"] = fused_chosen()  # the fused layer's configuration per shape
+    for name, c in result["fused_choices"].items():
+        log(f"fused_linear {name}: {c}")
     result["profile"] = []
-    for attention in attentions:
+    profile_batches = [int(b) for b in args.profile_batches.split(",") if b.strip()]
+    for attention in attentions if profile_batches else ():
         try:
-            result["profile"] += profile_breakdown("llama-8b", [(1, 1), (16, 1), (32, 1)], args.context, attention)
+            result["profile"] += profile_breakdown("llama-8b", [(b, 1) for b in profile_batches], args.context,
+                                                   attention)
             result["profile"] += profile_breakdown("llama-1b", [(1, 1)], args.context, attention)
         except Exception:  # noqa: BLE001
             result.setdefault("errors", []).append(f"profile[{attention}]: {traceback.format_exc()}")
@@ -602,6 +628,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="(steps part) comma-separated graph attention variants to time: auto, triton, sdpa "
                         "(e.g. triton,sdpa: before/after in one run; the first one's checks keep their names)")
     p.add_argument("--hf-batches", default="1,8,32", help="Hugging Face baselines' batches ('' skips HF)")
+    p.add_argument("--profile-batches", default="1,16,32",
+                   help="8B batches of the per-kernel profile of each variant ('' skips the profile)")
     p.add_argument("--budget-s", type=float, default=480.0, help="skip optional HF compiled runs past this")
     p.add_argument("--gguf", default=None,
                    help="the demo target's GGUF file (demo part), or its converted folder (concurrent part)")

@@ -1,6 +1,7 @@
 """Cases of tests/test_graph_kernels.py, run in a child process under Triton's CPU interpreter (see
-tests/_decode_attention_cases.py for why a child process): the skinny-linear kernel against F.linear and the
-fused RoPE + cache-write kernel against the reference, printed as one JSON line.
+tests/_decode_attention_cases.py for why a child process): the skinny-linear kernel against F.linear, the
+fused RoPE + cache-write kernel against the reference, and the fused-layer linear (each mode) and a tiny bf16
+model's fused layer against the eager math, printed as one JSON line.
 """
 
 from __future__ import annotations
@@ -28,6 +29,16 @@ ROPE_CASES = [
     ("f32-D24", 2, 2, 4, 2, 24, "float32"),
 ]
 GRAPH_CASES = ["graph-linear-triton"]
+# (id, mode, M, N, K, bias): the fused linear (pipeline.models.fused_linear) against the eager math it replaces
+FUSED_CASES = [
+    ("fused-norm-M1", "norm", 1, 40, 96, False),
+    ("fused-norm-bias-M5-ragged-k", "norm", 5, 33, 100, True),
+    ("fused-gate-norm-M3", "gate", 3, 24, 128, True),
+    ("fused-residual-M17-pad32", "residual", 17, 48, 64, False),
+    ("fused-heads-residual-T3", "heads", 6, 40, 96, True),
+    ("fused-logits-f32-M40-pad64", "logits", 40, 130, 64, False),
+]
+FUSED_GRAPH_CASES = ["graph-fused-layer-bf16", "graph-fused-layer-bias-window-bf16"]
 TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 3e-3}
 
 
@@ -72,6 +83,83 @@ def rope_case(torch, rw, B, T, H, Hkv, D, dtype_name) -> dict:
     return {"err": err, "tol": TOL[dtype_name], "ok": ok}
 
 
+def fused_case(torch, fl, mode, M, N, K, bias) -> dict:
+    """One mode of `fused_linear` in bf16 against the eager layer's own bf16 math (tests/test_graph_kernels.py)."""
+    import torch.nn.functional as F
+
+    from pipeline.models.graphs import rms_norm
+
+    bf = torch.bfloat16
+    g = torch.Generator().manual_seed(M * 1000 + N)
+    rows = 2 * N if mode == "gate" else N
+    w = (torch.randn(rows, K, generator=g) / K**0.5).to(bf)
+    b = torch.randn(rows, generator=g).to(bf) if bias else None
+    nw = (1 + 0.1 * torch.randn(K, generator=g)).to(bf)
+    x = torch.randn(M, K, generator=g).to(bf)
+    if mode == "norm":
+        got, want = fl.fused_linear(x, w, b, norm_w=nw, eps=1e-5), F.linear(rms_norm(x, nw, 1e-5), w, b)
+    elif mode == "gate":
+        got = fl.fused_linear(x, w, b, norm_w=nw, eps=1e-5, gate=True)
+        gate, up = F.linear(rms_norm(x, nw, 1e-5), w, b).chunk(2, dim=-1)
+        want = F.silu(gate) * up
+    elif mode == "residual":
+        res = torch.randn(M, N, generator=g).to(bf)
+        got = res.clone()
+        fl.fused_linear(x, w, b, residual=got, out=got)  # in place, as the layer does
+        want = res + F.linear(x, w, b)
+    elif mode == "heads":  # attention output [B, Hkv, G*T, D] read as [B*T, H*D]
+        B, T, Hkv, D = 2, 3, 2, 16
+        y = torch.randn(B, Hkv, K // (Hkv * D) * T, D, generator=g).to(bf)
+        res = torch.randn(B * T, N, generator=g).to(bf)
+        got = fl.fused_linear_heads(y, T, w, b, residual=res)
+        flat = y.view(B, Hkv, -1, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, K)
+        want = res + F.linear(flat, w, b)
+    else:  # the output layer: bf16 logits returned as float32
+        got = torch.full((M, N), float("nan"))
+        fl.fused_linear(x, w, b, norm_w=nw, eps=1e-5, out=got)
+        want = F.linear(rms_norm(x, nw, 1e-5), w, b).float()
+    assert got.shape == want.shape, (got.shape, want.shape)
+    err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
+    return {"err": err, "tol": TOL["bfloat16"], "ok": bool(torch.isfinite(got).all())}
+
+
+def fused_graph_case(torch, case: str) -> dict:
+    """A tiny bf16 model's static path with the fused layer against the unfused static path (same kernels
+    otherwise) and the eager runner: logits within bf16 tolerance of the largest logit, the fused layer used."""
+    from pipeline.models.graphs import GraphCausalLM, GraphConfig
+    from pipeline.models.shapes import SHAPES, random_llama
+
+    bias_window = case.endswith("bias-window-bf16")
+    args = replace(SHAPES["llama-1b"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                   intermediate_size=128, vocab_size=128, sliding_window=8 if bias_window else None)
+    cfg = GraphConfig(graphs=False, compile=False, batch_buckets=(1, 2, 4), token_buckets=(1, 2, 4, 8), kv_block=16,
+                      attention="triton", linear="torch", fused_rope=True)
+
+    def model():
+        m = random_llama(args, "cpu", torch.bfloat16, seed=7)
+        if bias_window:  # q/k/v biases (Qwen2-like) on every layer
+            g = torch.Generator().manual_seed(8)
+            for layer in m.model.layers:
+                for lin in (layer.attention.wq, layer.attention.wk, layer.attention.wv):
+                    b = 0.1 * torch.randn(lin.out_features, generator=g)
+                    lin.bias = torch.nn.Parameter(b.to(torch.bfloat16), requires_grad=False)
+        return m
+
+    models = {
+        "fused": GraphCausalLM(model(), replace(cfg, fused_layer=True)),
+        "unfused": GraphCausalLM(model(), replace(cfg, fused_layer=False)),
+        "eager": model(),
+    }
+    from _decode_attention_cases import compare_static_paths
+
+    # Logits of magnitude 1-3. The interpreter's bf16 dots are coarser than the GPU's: the unfused path with the
+    # Triton linears is itself 0.08 from the eager runner here. Negative controls (a wrong norm epsilon in the
+    # MLP, swapped attention heads) land at 1.7 and 5.1.
+    err, _ = compare_static_paths(torch, models, "fused", ("unfused", "eager"))
+    used = models["fused"].stats.fused_runs
+    return {"err": err, "tol": 0.25, "ok": used >= 3 and models["unfused"].stats.fused_runs == 0, "fused_runs": used}
+
+
 def graph_case(torch) -> dict:
     """A tiny model's static path with every kernel on (Triton linears, fused RoPE/cache write, attention)
     against the reference path and the eager runner."""
@@ -98,6 +186,7 @@ def main() -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     import torch
 
+    from pipeline.models import fused_linear as fl
     from pipeline.models import rope_write as rw
     from pipeline.models import skinny_linear as sl
     from pipeline.models import skinny_linear_triton as kern
@@ -108,6 +197,8 @@ def main() -> int:
     runs = [(c[0], lambda c=c: linear_case(torch, sl, *c[1:])) for c in LINEAR_CASES]
     runs += [(c[0], lambda c=c: rope_case(torch, rw, *c[1:])) for c in ROPE_CASES]
     runs += [(c, lambda: graph_case(torch)) for c in GRAPH_CASES]
+    runs += [(c[0], lambda c=c: fused_case(torch, fl, *c[1:])) for c in FUSED_CASES]
+    runs += [(c, lambda c=c: fused_graph_case(torch, c)) for c in FUSED_GRAPH_CASES]
     for case_id, fn in runs:
         try:
             results[case_id] = fn()

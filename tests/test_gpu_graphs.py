@@ -74,11 +74,20 @@ def _replay_without_host_sync(graph, tokens, positions, slots) -> None:
     torch.cuda.synchronize()
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["eager-kernels", "compiled"])
+RUNNER_CONFIGS = {  # the graph path's layer variants on bf16 weights
+    "unfused-eager-kernels": GraphConfig(compile=False, fused_layer=False),
+    "unfused-compiled": GraphConfig(compile=True, fused_layer=False),
+    "fused": GraphConfig(),  # the default on CUDA: the fused layer, with PDL where the GPU has it
+    "fused-nopdl": GraphConfig(pdl=False),
+}
+
+
+@pytest.fixture(scope="module", params=list(RUNNER_CONFIGS))
 def runners(request):
     """(graph runner, eager runner with the same bf16 weights, float32 eager runner of those weights)."""
     dev = torch.device("cuda")
-    graph = GraphCausalLM(random_llama(SMALL, dev, torch.bfloat16, seed=1), GraphConfig(compile=request.param))
+    graph = GraphCausalLM(random_llama(SMALL, dev, torch.bfloat16, seed=1), RUNNER_CONFIGS[request.param])
+    assert graph.fused_layer == request.param.startswith("fused") or not HAS_TRITON
     eager = random_llama(SMALL, dev, torch.bfloat16, seed=1)
     ref32 = LlamaCausalLM(copy.deepcopy(eager.model).float(), eager.info)
     for m in (graph, eager, ref32):
@@ -90,8 +99,49 @@ def test_captured_logits_match_eager(runners):
     """The captured path is as close to float32 as the bf16 eager path is (and close to it)."""
     graph, eager, ref32 = runners
     _check_against_eager(graph, eager, ref32, [300, 17, 611, 64, 5, 900],
-                         [(1, 1), (1, 5), (3, 1), (3, 5), (6, 4)], seed=0, label="captured")
-    assert graph.stats.captures >= 5 and graph.stats.host_syncs == 0
+                         [(1, 1), (1, 5), (3, 1), (3, 5), (6, 4), (6, 8)], seed=0, label="captured")
+    assert graph.stats.captures >= 6 and graph.stats.host_syncs == 0
+    if graph.fused_layer:  # calls of up to 16 rows take it (1x1, 1x5, 3x1 here); larger ones the unfused layer
+        assert graph.stats.fused_runs >= 6
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_pdl_changes_no_bit_of_the_fused_layer():
+    """Programmatic dependent launch only lets kernels start early; every kernel waits for its predecessor
+    before touching activations. Captured and replayed, the fused layer with PDL (the default: the next kernel
+    launches after a kernel's K loop), without it, and with the early launch plus an L2 weight prefetch gives
+    bit-identical logits: a missing wait would show up as a race here."""
+    import pipeline.models.fused_linear as fl
+    from pipeline.models import pdl
+
+    dev = torch.device("cuda")
+    out = {}
+    defaults = fl.PREFETCH_BYTES, fl.LATE_TRIGGER
+    every = GraphConfig(fused_layer=True)  # every call of up to 16 rows, not only batch 1
+    for name, cfg, pf, late in (("pdl", every, 0, True), ("nopdl", replace(every, pdl=False), 0, True),
+                                ("pdl-early-prefetch", every, 8 << 20, False)):
+        fl.PREFETCH_BYTES, fl.LATE_TRIGGER = pf, late
+        try:
+            graph = GraphCausalLM(random_llama(SMALL, dev, torch.bfloat16, seed=5), cfg)
+            graph.allocate(8, 1024)
+            g = torch.Generator().manual_seed(3)
+            for slot in range(6):
+                prompt = torch.randint(0, SMALL.vocab_size, (1, 30 + 50 * slot), generator=g).cuda()
+                graph.forward(prompt, torch.tensor([0]), torch.tensor([slot]), prompt.shape[1] - 1)
+            got = []
+            for B, T in ((1, 1), (4, 3), (6, 1)):
+                slots = torch.arange(B)
+                positions = torch.tensor([30 + 50 * s for s in range(B)])
+                tokens = torch.randint(0, SMALL.vocab_size, (B, T), generator=g).cuda()
+                for _ in range(3):  # capture, then replays
+                    got.append(graph.forward(tokens, positions, slots))
+            out[name] = got
+            assert graph.fused_layer and graph.use_pdl == (name != "nopdl" and pdl.enabled(dev))
+            assert graph.stats.fused_runs == 9  # three shapes, each run twice in the warm-up and once captured
+        finally:
+            fl.PREFETCH_BYTES, fl.LATE_TRIGGER = defaults
+    for name in ("nopdl", "pdl-early-prefetch"):
+        assert all(torch.equal(a, b) for a, b in zip(out["pdl"], out[name])), name
 
 
 def test_no_host_sync_inside_a_step(runners):

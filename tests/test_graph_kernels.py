@@ -6,8 +6,10 @@ fall back), and the RoPE reference against the eager model's own attention input
 interpreter (skipped without triton; one child process, see tests/_decode_attention_cases.py): the linear
 kernel against F.linear (1 to 40 rows, ragged N and K, bias, 1 to 8 splits, a transposed input, fp32/bf16/
 fp16), the fused RoPE/cache write against the reference (GQA, MHA, MQA, T = 1..5, an odd head_dim, and no
-write outside the rows' positions), and a tiny model's static path with every kernel on against the
-reference path and the eager runner. The GPU timings are ops/check_skinny_linear.py.
+write outside the rows' positions), a tiny model's static path with every kernel on against the
+reference path and the eager runner, and the fused layer (`pipeline.models.fused_linear`: RMSNorm prologue,
+SiLU-gate and residual epilogues, the attention-heads input layout, float32 logits; then a tiny bf16 model,
+with q/k/v biases and a sliding window too) against the eager math. The GPU timings are ops/check_skinny_linear.py.
 """
 
 from __future__ import annotations
@@ -65,6 +67,44 @@ def test_linear_dispatch():
         sl.resolve_linear("cublas", torch.device("cpu"))
 
 
+def _tiny_fused_args():
+    from dataclasses import replace
+
+    from pipeline.models.shapes import SHAPES
+
+    return replace(SHAPES["llama-1b"], dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16,
+                   intermediate_size=128, vocab_size=128)
+
+
+def test_fused_layer_is_off_by_default_on_cpu_and_refused_without_its_kernels():
+    """By default the fused layer is off on CPU (on CUDA it serves batch-1 calls); asked for without the
+    Triton attention it is a clear error."""
+    from dataclasses import replace
+
+    from pipeline.models.graphs import GraphCausalLM, GraphConfig
+    from pipeline.models.shapes import random_llama
+
+    args, base = _tiny_fused_args(), GraphConfig(graphs=False, compile=False)
+    assert not GraphCausalLM(random_llama(args, "cpu", torch.bfloat16), base).fused_layer
+    with pytest.raises(ValueError, match="the Triton attention"):
+        GraphCausalLM(random_llama(args, "cpu", torch.bfloat16), replace(base, attention="sdpa", fused_layer=True))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_fused_layer_needs_half_precision_and_the_fused_rope():
+    from dataclasses import replace
+
+    from pipeline.models.graphs import GraphCausalLM, GraphConfig
+    from pipeline.models.shapes import random_llama
+
+    args, base = _tiny_fused_args(), GraphConfig(graphs=False, compile=False)
+    with pytest.raises(ValueError, match="half-precision weights"):
+        GraphCausalLM(random_llama(args, "cpu", torch.float32), replace(base, attention="triton", fused_layer=True))
+    with pytest.raises(ValueError, match="fused RoPE"):
+        GraphCausalLM(random_llama(args, "cpu", torch.bfloat16),
+                      replace(base, attention="triton", fused_rope=False, fused_layer=True))
+
+
 def test_rope_reference_matches_the_eager_attention():
     """torch_rope_write writes what the eager runner's attention layer writes, and returns its rotated queries."""
     from dataclasses import replace
@@ -102,7 +142,8 @@ def interpreted_results():
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (its CPU interpreter)")
-@pytest.mark.parametrize("case", [c[0] for c in cases.LINEAR_CASES + cases.ROPE_CASES] + cases.GRAPH_CASES)
+@pytest.mark.parametrize("case", [c[0] for c in cases.LINEAR_CASES + cases.ROPE_CASES + cases.FUSED_CASES]
+                         + cases.GRAPH_CASES + cases.FUSED_GRAPH_CASES)
 def test_kernel_matches_reference_in_the_interpreter(interpreted_results, case):
     r = interpreted_results[case]
     assert "error" not in r, r["error"]

@@ -147,8 +147,10 @@ def triton_slot_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    use_pdl: bool = False,  # launch with programmatic dependent launch (pipeline.models.pdl)
 ) -> torch.Tensor:  # [B, Hkv, G*T, D], q's dtype
     from pipeline.models import decode_attention_triton as kern
+    from pipeline.models.pdl import launch_kwargs
 
     B, Hkv, M, D = q.shape
     T = pos.shape[1]
@@ -176,19 +178,20 @@ def triton_slot_attention(
         part_acc = torch.empty(B * Hkv, num_splits, M, D, dtype=torch.float32, device=q.device)
         part_m = torch.empty(B * Hkv, num_splits, M, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
-    launch: dict[str, Any] = {"num_warps": warps, "num_stages": stages}
+    launch: dict[str, Any] = {"num_warps": warps, "num_stages": stages, **launch_kwargs(use_pdl)}
     kern.slot_attention_split[(num_splits, B * Hkv, m_blocks)](
         q, k_cache, v_cache, slots, pos, out, part_acc, part_m, part_l,
         M, T, S, chunk, num_splits, scale * math.log2(math.e), window or 0,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *pos.stride(), *out.stride(),
         HKV=Hkv, HEAD_D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_WINDOW=window is not None,
         SINGLE=single, DOT_PRECISION=_DOT_PRECISION_F32 if q.dtype == torch.float32 else "tf32",
-        DOT_IN_F32=q.dtype == torch.bfloat16 and kern.interpreted(), **launch,
+        DOT_IN_F32=q.dtype == torch.bfloat16 and kern.interpreted(), USE_PDL=use_pdl, **launch,
     )
     if not single:
         kern.slot_attention_combine[(B * Hkv, m_blocks)](
             out, part_acc, part_m, part_l, M, num_splits, *out.stride(),
-            HKV=Hkv, HEAD_D=D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, num_warps=4,
+            HKV=Hkv, HEAD_D=D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, USE_PDL=use_pdl, num_warps=4,
+            **launch_kwargs(use_pdl),
         )
     return out
 

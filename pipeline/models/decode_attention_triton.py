@@ -42,12 +42,16 @@ def slot_attention_split(
     SINGLE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_IN_F32: tl.constexpr,  # interpreter + bf16 only: Triton 3.6's interpreter multiplies bf16 as raw bits
+    USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (pipeline.models.pdl)
 ):
     split = tl.program_id(0)
     bh = tl.program_id(1)
     mb = tl.program_id(2)
     b = bh // HKV
     h = bh % HKV
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the queries and this step's keys are written by the kernel before
+        tl.extra.cuda.gdc_launch_dependents()
 
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -120,11 +124,15 @@ def slot_attention_combine(
     HEAD_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     bh = tl.program_id(0)
     mb = tl.program_id(1)
     b = bh // HKV
     h = bh % HKV
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_valid = offs_m < M

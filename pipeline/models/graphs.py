@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.models.base import CausalLM
+from pipeline.models import fused_linear as fl
+from pipeline.models import pdl
 from pipeline.models.decode_attention import resolve_attention, sdpa_mask, sdpa_slot_attention, triton_slot_attention
 from pipeline.models.llama import LlamaCausalLM
 from pipeline.models.rope_write import cache_rows, rope_split, triton_rope_write
@@ -62,6 +64,13 @@ class GraphConfig:
     linear: str = "auto"
     # RoPE + cache write as one Triton kernel (pipeline.models.rope_write); None: with the Triton attention
     fused_rope: bool | None = None
+    # The fused decoder layer (pipeline.models.fused_linear: norms, activation and residuals inside the linears'
+    # kernels, seven Triton kernels a layer) for half-precision weights. True: every call of up to 16 rows
+    # (B * T); None: on CUDA with the Triton attention and fused RoPE, for batch-1 calls (one row's decode or
+    # verify: 1-3% faster on an H100; at batch 4-16 it measured up to 2% slower, BENCHMARKS.md issue 5)
+    fused_layer: bool | None = None
+    # Programmatic dependent launch of the Triton kernels (pipeline.models.pdl); None: where the GPU has it
+    pdl: bool | None = None
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int | None:
@@ -183,6 +192,7 @@ class _Graph:
 @dataclass
 class GraphStats:
     graph_calls: int = 0  # forwards served by the static path (captured or not)
+    fused_runs: int = 0  # static-path runs (captures, uncaptured calls) that took the fused layer
     eager_calls: int = 0  # forwards passed to the wrapped eager runner (prefill, too large)
     captures: int = 0
     host_syncs: int = 0  # forwards whose positions lived on the device (one sync each to bucket them)
@@ -207,6 +217,8 @@ class GraphCausalLM:
             raise ValueError(f"CUDA graphs need a CUDA model, this one is on {self.device}")
         self.attention = resolve_attention(cfg.attention, self.device)
         self.linear_kind = resolve_linear(cfg.linear, self.device)
+        self.fused_layer = self._resolve_fused_layer(on_cuda)
+        self.use_pdl = (pdl.enabled(self.device) if cfg.pdl is None else cfg.pdl) and self.attention == "triton"
         self.stats = GraphStats()
         self._graphs: dict[tuple[int, int, int], _Graph] = {}
         self._pool = None
@@ -238,6 +250,21 @@ class GraphCausalLM:
         self._outs: dict[tuple[int, int], torch.Tensor] = {}  # (Bb, Tb) -> static logits, shared by every Sb
         if runner.num_slots > 0:
             self.allocate(runner.num_slots, runner.max_len)
+
+    def _resolve_fused_layer(self, on_cuda: bool) -> bool:
+        cfg = self.config
+        why = None
+        if self.attention != "triton":
+            why = "the Triton attention"
+        elif cfg.fused_rope is False:
+            why = "the fused RoPE/cache write"
+        elif self.dtype not in fl.HALF_DTYPES:
+            why = f"half-precision weights (this model is {self.dtype})"
+        if cfg.fused_layer is None:
+            return on_cuda and why is None
+        if cfg.fused_layer and why is not None:
+            raise ValueError(f"fused_layer=True needs {why}")
+        return cfg.fused_layer
 
     # -- the protocol ------------------------------------------------------------------------------------
     @property
@@ -315,6 +342,7 @@ class GraphCausalLM:
                         exc_info=True)
             self.attention = "sdpa"
             self.linear_kind = "torch" if self.config.linear == "auto" else self.linear_kind
+            self.fused_layer = self.use_pdl = False
             return self._capture(shape)
 
     def _capture(self, shape: tuple[int, int, int]) -> _Graph:
@@ -355,6 +383,9 @@ class GraphCausalLM:
     ) -> None:
         a = self.args
         B, T = tokens.shape
+        if self.fused_layer and B * T <= fl.LAYER_MAX_ROWS and (self.config.fused_layer or B == 1):
+            self.stats.fused_runs += 1
+            return self._fused_forward(tokens, positions, slots, S, out)
         Hkv, D, L = a.n_kv_heads, a.head_dim, self.max_len
         G = a.n_heads // Hkv
         lk = self.linear_kind
@@ -384,6 +415,27 @@ class GraphCausalLM:
             x = self._attn_out_mlp(x, y, w.wo, w.bo, w.ffn_norm, w.w13, w.b13, w.w2, w.b2, a.norm_eps, lk)
         m = self.runner.model
         out.copy_(self._final_logits(x, m.norm.weight, m.output.weight, a.norm_eps, lk))
+
+    def _fused_forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, S: int,
+                       out: torch.Tensor) -> None:
+        """`_static_forward` as the fused layer (pipeline.models.fused_linear): seven Triton kernels a layer,
+        chained with programmatic dependent launch where available; the residual stream is updated in place."""
+        a, r = self.args, self.runner
+        B, T = tokens.shape
+        eps, p = a.norm_eps, self.use_pdl
+        pos = positions[:, None] + self._arange[:T]  # [B, T]
+        scale = 1.0 / math.sqrt(a.head_dim)
+        x = r.model.tok_embeddings(tokens).view(B * T, -1)  # [B*T, C], a fresh tensor: updated in place
+        for w, k_cache, v_cache in zip(self._layers, r.k_caches, r.v_caches):
+            qkv = fl.fused_linear(x, w.wqkv, w.bqkv, norm_w=w.attn_norm, eps=eps, use_pdl=p)
+            q = triton_rope_write(qkv.view(B, T, -1), r._cos, r._sin, pos, slots, k_cache, v_cache, a.n_heads,
+                                  use_pdl=p)
+            y = triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, a.sliding_window, use_pdl=p)
+            fl.fused_linear_heads(y, T, w.wo, w.bo, residual=x, out=x, use_pdl=p)
+            h = fl.fused_linear(x, w.w13, w.b13, norm_w=w.ffn_norm, eps=eps, gate=True, use_pdl=p)
+            fl.fused_linear(h, w.w2, w.b2, residual=x, out=x, use_pdl=p)
+        m = r.model
+        fl.fused_linear(x, m.output.weight, norm_w=m.norm.weight, eps=eps, out=out.view(B * T, -1), use_pdl=p)
 
 
 def maybe_graphs(model: CausalLM, config: GraphConfig | None = None) -> CausalLM:

@@ -63,9 +63,10 @@ def torch_rope_write(
 
 def triton_rope_write(
     qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
-    k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int,
-) -> torch.Tensor:  # [B, Hkv, G*T, D]; same signature as torch_rope_write
+    k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, use_pdl: bool = False,
+) -> torch.Tensor:  # [B, Hkv, G*T, D]; same signature as torch_rope_write (use_pdl: pipeline.models.pdl)
     from pipeline.models import rope_write_triton as kern
+    from pipeline.models.pdl import launch_kwargs
 
     B, T, width = qkv.shape
     _, Hkv, _, D = k_cache.shape
@@ -83,6 +84,6 @@ def triton_rope_write(
         T, qkv2.stride(0), cos_table.stride(0), *pos.stride(),
         *k_cache.stride()[:3], *v_cache.stride()[:3], *q.stride()[:3],
         H=n_heads, HKV=Hkv, D=D, HALF_P=_pow2(D // 2), HEADS_P=_pow2(n_heads + Hkv), KV_P=_pow2(Hkv), D_P=_pow2(D),
-        num_warps=4,
+        USE_PDL=use_pdl, num_warps=4, **launch_kwargs(use_pdl),
     )
     return q

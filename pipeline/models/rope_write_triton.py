@@ -28,8 +28,12 @@ def rope_cache_write_kernel(
     HEADS_P: tl.constexpr,  # >= H + HKV
     KV_P: tl.constexpr,  # >= HKV
     D_P: tl.constexpr,  # >= D
+    USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (pipeline.models.pdl)
 ):
     r = tl.program_id(0)  # token row b * T + t
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # q/k/v come from the kernel before
+        tl.extra.cuda.gdc_launch_dependents()
     b = r // T
     t = r % T
     p = tl.load(POS + b * s_pb + t * s_pt).to(tl.int64)

@@ -590,6 +590,7 @@ def tensor_parallel_graphs(runner: LlamaCausalLM, config: Any = None, allreduce:
         __call__ = forward
 
     g = TensorParallelGraphs(runner, config)
+    g.fused_layer = False  # the fused layer has no all-reduce between its linears: the swapped math below serves
 
     def attn_proj(y: torch.Tensor, wo: torch.Tensor, bo: Optional[torch.Tensor], T: int, lk: str) -> torch.Tensor:
         B, Hkv, GT, D = y.shape  # [B, Hkv, G*T, D] -> [B, T, H*D] (query index g*T + t)

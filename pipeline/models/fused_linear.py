@@ -1,0 +1,232 @@
+"""Linears of few rows with their neighbours fused in: the graph path's fused decoder layer (`graphs.py`).
+
+A decode or verify step of a bf16 Llama spends almost all its time streaming weights, in many small kernels:
+per layer RMSNorm, q/k/v, RoPE/cache write, attention, output projection, residual add, RMSNorm, gate/up,
+SiLU-gate, down projection, residual add. Each kernel pays a fixed ramp (launch, first loads in flight, the
+tail of its last wave), which at batch 1 is a large share of a small matrix's few microseconds of bandwidth.
+`fused_linear` folds the pointwise work into the matrix products, so a layer is seven kernels:
+
+    qkv  = linear(rms_norm(x))                    NORM
+    q    = rope + cache write                     (rope_write)
+    y    = attention (split-KV + combine)         (decode_attention)
+    x   += linear(y)            in place          heads layout, RESIDUAL
+    h    = silu(gate) * up of linear(rms_norm(x)) NORM, GATE
+    x   += linear(h)            in place          RESIDUAL
+
+and all seven are Triton kernels launched with programmatic dependent launch where the GPU has it
+(`pipeline.models.pdl`): each one's launch and start-up overlaps its predecessor's epilogue.
+
+Measured on an H100 (BENCHMARKS.md, issue 5; `ops/gpu_bench.py --attention fused,kernels`): batch-1 steps
+1-3% faster than the unfused layer (8B decode 5.98 vs 6.12 ms, 1B-shaped drafter with a 32k vocabulary
+1.21 vs 1.24 ms, its 5-token verify 1.27 vs 1.31 ms); at batch 4-16 up to 2% slower, so the graph path takes
+it for batch-1 calls by default (`GraphConfig.fused_layer`). Without PDL it is about 1% slower than the
+unfused layer: fewer kernels alone do not pay, the small GEMVs' own ramp is the cost.
+
+The arithmetic rounds where the eager layer rounds (the RMSNorm output, each linear's output, SiLU, the
+product, the residual sum), with float32 accumulation; only summation order differs, so results match the
+eager path to bf16 tolerance (tests/test_graph_kernels.py, tests/test_gpu_graphs.py). For half-precision
+weights and up to `MAX_ROWS` rows; float32 models keep the unfused path (whose cuBLAS arithmetic the float32
+decode/verify equality relies on, see `skinny_linear`).
+
+Configuration: one program owns BLOCK_N output columns over the whole depth (no split-K: the epilogue needs
+the finished sum). `config_for` times a few (BLOCK_N, BLOCK_K) candidates once per shape on CUDA, with L2
+flushed, during the graph warm-up (like `skinny_linear`'s "auto"); elsewhere it takes `default_config`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from pipeline.models.decode_attention import _sm_count
+from pipeline.models.pdl import launch_kwargs
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS = 64
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+_SMEM_BUDGET = 160 * 1024
+# With PDL, each kernel may prefetch up to this many bytes of its weight rows into L2 before it waits on the
+# previous kernel. Off by default: on an H100 8 MB made 1B and 8B steps 2-5% slower (BENCHMARKS.md, issue 5).
+PREFETCH_BYTES = int(float(os.environ.get("SPECSERVE_PDL_PREFETCH_MB", "0")) * (1 << 20))
+# With PDL, let the next kernel launch once this one's K loop is done ("late", the default) or as soon as it
+# has waited ("early"; measured 5-10% slower on an H100: the next kernel's waiting programs take its SMs).
+LATE_TRIGGER = os.environ.get("SPECSERVE_PDL_TRIGGER", "late") == "late"
+# The graph path takes the fused layer for calls of at most this many rows (B * T): one 16-row tensor-core
+# tile. A 20-row call (padded to 32) ran 1.3x slower than the unfused layer on an H100 (BENCHMARKS.md).
+LAYER_MAX_ROWS = 16
+
+
+@dataclass(frozen=True)
+class FusedConfig:
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def m_pad(M: int) -> int:
+    """Rows as the tensor-core tile sees them: 16, 32 or 64."""
+    assert 1 <= M <= MAX_ROWS, f"rows must be in [1, {MAX_ROWS}], got {M}"
+    return 16 if M <= 16 else 32 if M <= 32 else 64
+
+
+def _block_k(K: int) -> int:
+    for b in (256, 128, 64, 32, 16):
+        if K % b == 0 and K >= 2 * b:
+            return b
+    return 64 if K > 64 else 16
+
+
+def _stages(M: int, block_n: int, block_k: int, gate: bool, itemsize: int) -> int:
+    per_stage = (block_k * block_n * (2 if gate else 1) + m_pad(M) * block_k) * itemsize
+    return max(2, min(4, _SMEM_BUDGET // per_stage))
+
+
+def default_config(M: int, N: int, K: int, sm_count: int, gate: bool = False, itemsize: int = 2) -> FusedConfig:
+    """16 columns a program while that leaves fewer than two programs per multiprocessor at 32, else 32."""
+    block_n = 32 if -(-N // 32) >= 2 * sm_count else 16
+    block_k = _block_k(K)
+    return FusedConfig(block_n, block_k, 4, _stages(M, block_n, block_k, gate, itemsize))
+
+
+def candidates(M: int, N: int, K: int, sm_count: int, gate: bool = False, itemsize: int = 2) -> list[FusedConfig]:
+    out = []
+    for block_n in (16, 32, 64):
+        if block_n > 16 and -(-N // block_n) < sm_count // 2:
+            continue  # too few programs to keep the memory system busy
+        for block_k in sorted({_block_k(K), 128 if K % 128 == 0 else _block_k(K)}):
+            out.append(FusedConfig(block_n, block_k, 4, _stages(M, block_n, block_k, gate, itemsize)))
+    return out
+
+
+def _prefetch_plan(w: torch.Tensor, rows: int, K: int, block_n: int, num_warps: int) -> tuple[int, int, int]:
+    """(chunks per row, bytes per chunk, chunk stride in elements) of the L2 prefetch: each of a program's
+    threads prefetches one chunk of one of its rows; a row's share of PREFETCH_BYTES, in whole 16-byte units.
+    Bytes 0: no prefetch (rows not 16-byte aligned, or PREFETCH_BYTES 0)."""
+    item = w.element_size()
+    chunks = max(1, num_warps * 32 // block_n)
+    if PREFETCH_BYTES <= 0 or w.data_ptr() % 16 or (w.stride(0) * item) % 16 or w.stride(1) != 1:
+        return chunks, 0, 0
+    per_row = min(K * item, PREFETCH_BYTES // max(rows, 1))
+    chunk = per_row // chunks // 16 * 16
+    return chunks, chunk, chunk // item
+
+
+def _launch(x: torch.Tensor, M: int, K: int, row: tuple[int, int, int], col: tuple[int, int],
+            w: torch.Tensor, bias: Optional[torch.Tensor], norm_w: Optional[torch.Tensor], eps: float, gate: bool,
+            residual: Optional[torch.Tensor], out: Optional[torch.Tensor], use_pdl: bool,
+            config: Optional[FusedConfig]) -> torch.Tensor:
+    from pipeline.models import fused_linear_triton as kern
+
+    assert w.shape[1] == K and w.stride(1) == 1, f"w must be [N, {K}] with unit column stride, got {tuple(w.shape)}"
+    N = w.shape[0] // 2 if gate else w.shape[0]
+    assert not gate or w.shape[0] % 2 == 0, "gate needs [gate rows; up rows]"
+    if x.device.type != "cuda" and not kern.interpreted():
+        raise RuntimeError("fused_linear on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
+                           "before triton is first imported")
+    if out is None:
+        out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    assert out.shape == (M, N) and out.stride(1) == 1, (tuple(out.shape), (M, N))
+    if residual is not None:
+        assert residual.shape == (M, N) and residual.stride(1) == 1, (tuple(residual.shape), (M, N))
+    c = config or config_for(x, M, N, K, w, bias, norm_w, gate, residual)
+    rows = N * (2 if gate else 1)
+    chunks, pf, pf_step = _prefetch_plan(w, rows, K, c.block_n, c.num_warps) if use_pdl else (1, 0, 0)
+    XT, s_xb, s_xt = row
+    XD, s_xj = col
+    dummy = out
+    kern.fused_linear_kernel[(-(-N // c.block_n),)](
+        x, norm_w if norm_w is not None else dummy, w, bias if bias is not None else dummy,
+        residual if residual is not None else dummy, out,
+        M, N, K, N if gate else 0, XT, pf, pf_step,
+        s_xb, s_xt, s_xj, w.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
+        float(eps),
+        XD=XD, M_PAD=m_pad(M), BLOCK_N=c.block_n, BLOCK_K=c.block_k, NORM=norm_w is not None, GATE=gate,
+        RESIDUAL=residual is not None, HAS_BIAS=bias is not None, EVEN_K=K % c.block_k == 0,
+        USE_PDL=use_pdl, PREFETCH=pf > 0, PF_CHUNKS=chunks, LATE_TRIGGER=LATE_TRIGGER,
+        DOT_IN_F32=kern.interpreted() and w.dtype == torch.bfloat16,
+        num_warps=c.num_warps, num_stages=c.num_stages, **launch_kwargs(use_pdl),
+    )
+    return out
+
+
+def fused_linear(
+    x: torch.Tensor,  # [M, K], unit column stride
+    w: torch.Tensor,  # [N, K]; with gate, [2 I, K] (gate rows, then up rows)
+    bias: Optional[torch.Tensor] = None,
+    *,
+    norm_w: Optional[torch.Tensor] = None,  # RMSNorm x first (weight [K])
+    eps: float = 1e-6,
+    gate: bool = False,  # y = silu(x @ gate^T) * (x @ up^T), [M, I]
+    residual: Optional[torch.Tensor] = None,  # y = residual + linear; may be `out` (in place)
+    out: Optional[torch.Tensor] = None,  # [M, N] written (any float dtype); None: a new tensor of x's dtype
+    use_pdl: bool = False,
+    config: Optional[FusedConfig] = None,
+) -> torch.Tensor:
+    M, K = x.shape
+    assert x.stride(1) == 1, "x needs unit column stride"
+    return _launch(x, M, K, (1, x.stride(0), 0), (1, 1), w, bias, norm_w, eps, gate, residual, out, use_pdl, config)
+
+
+def fused_linear_heads(
+    y: torch.Tensor,  # [B, Hkv, G*T, D] contiguous: attention output, query index g*T + t
+    T: int,
+    w: torch.Tensor,  # [N, H*D]
+    bias: Optional[torch.Tensor] = None,
+    *,
+    residual: Optional[torch.Tensor] = None,  # [B*T, N]
+    out: Optional[torch.Tensor] = None,
+    use_pdl: bool = False,
+    config: Optional[FusedConfig] = None,
+) -> torch.Tensor:  # [B*T, N]: linear(y as [B, T, H*D]), without the permute's copy
+    B, Hkv, GT, D = y.shape
+    assert y.is_contiguous() and GT % T == 0, (tuple(y.shape), T)
+    K = Hkv * GT // T * D
+    return _launch(y, B * T, K, (T, y.stride(0), D), (D, T * D), w, bias, None, 0.0, False, residual, out,
+                   use_pdl, config)
+
+
+# ----------------------------------------------------------------------------------------------------
+# per-shape choice
+
+
+_choices: dict[tuple, FusedConfig] = {}
+
+
+def config_for(x: torch.Tensor, M: int, N: int, K: int, w: torch.Tensor, bias, norm_w, gate: bool,
+               residual) -> FusedConfig:
+    """The configuration of this shape: timed once on CUDA (outside a graph capture), else the default."""
+    key = (m_pad(M), N, K, w.dtype, gate, norm_w is not None, residual is not None, bias is not None, x.device)
+    got = _choices.get(key)
+    if got is not None:
+        return got
+    sms = _sm_count(x.device)
+    if x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return _choices.setdefault(key, default_config(M, N, K, sms, gate, w.element_size()))
+    from pipeline.models.skinny_linear import _time_ms
+
+    xs = torch.randn(M, K, dtype=w.dtype, device=x.device)
+    res = torch.randn(M, N, dtype=w.dtype, device=x.device) if residual is not None else None
+    flush = torch.empty(256 << 20, dtype=torch.int8, device=x.device)
+    best, best_ms = None, float("inf")
+    for c in candidates(M, N, K, sms, gate, w.element_size()):
+        try:
+            ms = _time_ms(lambda: fused_linear(xs, w, bias, norm_w=norm_w, gate=gate, residual=res, config=c),
+                          flush, 5)
+        except Exception as e:  # noqa: BLE001 - a configuration that does not build/fit is skipped
+            log.debug("fused_linear %s failed for %s: %s", c, key[:3], e)
+            continue
+        if ms < best_ms:
+            best, best_ms = c, ms
+    return _choices.setdefault(key, best or default_config(M, N, K, sms, gate, w.element_size()))
+
+
+def chosen() -> dict[str, str]:
+    """What was chosen per shape so far, for benchmark reports."""
+    return {f"Mpad{k[0]} N{k[1]} K{k[2]}{' gate' if k[4] else ''}{' norm' if k[5] else ''}"
+            f"{' res' if k[6] else ''}": f"{c.block_n}x{c.block_k}/s{c.num_stages}" for k, c in _choices.items()}

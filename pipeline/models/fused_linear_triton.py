@@ -1,0 +1,160 @@
+"""Triton kernel of `pipeline.models.fused_linear` (imported lazily: this module needs triton).
+
+`fused_linear_kernel`: `y[M, N] = epilogue(prologue(x)[M, K] @ w[N, K]^T + bias)` for few rows, one program
+per BLOCK_N output columns over the whole depth K (no split, so the epilogue sees finished sums):
+
+- prologue NORM: RMSNorm of x's rows: a first pass over x (it is small, and in L2) computes the rows' 1/rms in
+  float32, and the main loop feeds `weight * (x * rstd).to(dtype)` (the rounding of `graphs.rms_norm`) to the
+  product. (Summing the squares inside the main loop instead measured 5-15% slower on an H100: a reduction
+  across threads per tile, or a second accumulator, costs more than re-reading x from L2);
+- x addressing: row m = (m // XT, m % XT) with strides (s_xb, s_xt), column k = (k // XD, k % XD) with
+  strides (s_xj, 1). A plain [M, K] matrix is XT = 1, XD = 1; the attention output [B, Hkv, G*T, D] read as
+  [B*T, H*D] is XT = T, XD = D, s_xj = T*D (the permute the eager path copies);
+- epilogue GATE: w holds gate rows [0, N) and up rows [N_UP, N_UP + N); y = silu(gate) * up, each rounded as
+  the eager `F.silu(gate) * up` rounds;
+- epilogue RESIDUAL: y = res + (x @ w^T + bias) rounded to w's dtype first (the eager `x + linear(...)`);
+  res may be y itself (in place: each element is read and written by the same program);
+- otherwise y = (x @ w^T + bias) rounded to w's dtype, stored in y's dtype (float32 logits: the eager
+  `linear(...).float()`).
+
+USE_PDL: programmatic dependent launch (`pipeline.models.pdl`). With PREFETCH, before waiting on the previous
+kernel, a program asks L2 to prefetch the first PF_BYTES of each of its weight rows (`cp.async.bulk.prefetch.L2`);
+weights are never written by any kernel, so this may overlap the previous kernel's tail.
+
+With TRITON_INTERPRET=1 set before triton's first import the kernel runs in Triton's CPU interpreter (tests;
+no PDL there).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _prefetch_rows_l2(ptrs, nbytes):
+    """Ask L2 to fetch nbytes (a multiple of 16) from each 16-byte-aligned address in ptrs (sm_90+)."""
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // dummy $0", "=r,l,r",
+                              [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def fused_linear_kernel(
+    X, NORM_W, W, BIAS, RES, Y,
+    M, N, K, N_UP, XT, PF_BYTES, PF_STEP,
+    s_xb, s_xt, s_xj, s_wn, s_rm, s_ym,
+    eps,
+    XD: tl.constexpr,
+    M_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NORM: tl.constexpr,
+    GATE: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K is a whole number of BLOCK_K tiles: no K mask
+    USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,  # with USE_PDL: prefetch PF_CHUNKS x PF_BYTES of each weight row into L2 first
+    PF_CHUNKS: tl.constexpr,  # BLOCK_N * PF_CHUNKS = the program's threads: one prefetch each, none repeated
+    LATE_TRIGGER: tl.constexpr,  # with USE_PDL: let the next kernel launch after the K loop, not at the start
+    DOT_IN_F32: tl.constexpr,  # interpreter + bf16 only: Triton 3.6's interpreter multiplies bf16 as raw bits
+):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, M_PAD)
+    offs_k0 = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    m_ok = offs_m < M
+    rows_n = offs_n.to(tl.int64)  # int64: N * K can pass 2**31 elements (a 128k x 16k output layer)
+    w_rows = W + rows_n[None, :] * s_wn  # [1, BLOCK_N]
+    u_rows = W + (rows_n + N_UP)[None, :] * s_wn
+    if USE_PDL:
+        if PREFETCH:
+            r = tl.arange(0, BLOCK_N * PF_CHUNKS)
+            row = tl.minimum(pid * BLOCK_N + r // PF_CHUNKS, N - 1).to(tl.int64)  # past N: a real row again
+            addr = W + row * s_wn + (r % PF_CHUNKS) * PF_STEP
+            nbytes = tl.full([BLOCK_N * PF_CHUNKS], 0, tl.int32) + PF_BYTES
+            _prefetch_rows_l2(addr, nbytes)
+            if GATE:
+                _prefetch_rows_l2(addr + N_UP * s_wn, nbytes)
+        tl.extra.cuda.gdc_wait()  # every earlier kernel has finished: activations are ready
+        if not LATE_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
+
+    x_rows = X + (offs_m // XT) * s_xb + (offs_m % XT) * s_xt  # [M_PAD]
+    if NORM:  # a first pass over x (small, and in L2) for the rows' 1/rms
+        ss = tl.zeros([M_PAD], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + offs_k0
+            cols = (offs_k // XD) * s_xj + offs_k % XD
+            if EVEN_K:
+                xs = tl.load(x_rows[:, None] + cols[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
+            else:
+                xs = tl.load(x_rows[:, None] + cols[None, :], mask=m_ok[:, None] & (offs_k < K)[None, :],
+                             other=0.0).to(tl.float32)
+            ss += tl.sum(xs * xs, axis=1)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
+    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + offs_k0
+        cols = (offs_k // XD) * s_xj + offs_k % XD
+        if EVEN_K:
+            x = tl.load(x_rows[:, None] + cols[None, :], mask=m_ok[:, None], other=0.0)
+            w = tl.load(w_rows + offs_k[:, None], mask=n_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        else:
+            k_ok = offs_k < K
+            x = tl.load(x_rows[:, None] + cols[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_rows + offs_k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        if NORM:
+            if EVEN_K:
+                nw = tl.load(NORM_W + offs_k).to(tl.float32)
+            else:
+                nw = tl.load(NORM_W + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+            xn = (x.to(tl.float32) * rstd[:, None]).to(W.dtype.element_ty)
+            x = (nw[None, :] * xn.to(tl.float32)).to(W.dtype.element_ty)
+        else:
+            x = x.to(W.dtype.element_ty)
+        if DOT_IN_F32:
+            x = x.to(tl.float32)
+            acc += tl.dot(x, w.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(x, w)
+        if GATE:
+            if EVEN_K:
+                u = tl.load(u_rows + offs_k[:, None], mask=n_ok[None, :], other=0.0)
+            else:
+                u = tl.load(u_rows + offs_k[:, None], mask=n_ok[None, :] & (offs_k < K)[:, None], other=0.0)
+            if DOT_IN_F32:
+                acc_u += tl.dot(x, u.to(tl.float32), input_precision="ieee")
+            else:
+                acc_u += tl.dot(x, u)
+
+    if USE_PDL:
+        if LATE_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
+    if HAS_BIAS:
+        acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GATE:
+            acc_u += tl.load(BIAS + N_UP + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out = acc.to(W.dtype.element_ty).to(tl.float32)  # what F.linear returns
+    mask = m_ok[:, None] & n_ok[None, :]
+    if GATE:
+        up = acc_u.to(W.dtype.element_ty).to(tl.float32)
+        act = (out / (1.0 + tl.exp(-out))).to(W.dtype.element_ty).to(tl.float32)  # F.silu, rounded
+        out = act * up
+    if RESIDUAL:
+        res = tl.load(RES + offs_m[:, None] * s_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        out = res + out
+    tl.store(Y + offs_m[:, None] * s_ym + offs_n[None, :], out.to(Y.dtype.element_ty), mask=mask)
+
+
+def interpreted() -> bool:
+    """Whether this kernel runs in Triton's CPU interpreter (TRITON_INTERPRET=1 before triton's import)."""
+    return not isinstance(fused_linear_kernel, triton.runtime.JITFunction)
+
+
+if interpreted():  # the K loops' data-dependent bounds need the interpreter fix of the attention kernels
+    from pipeline.models.decode_attention_triton import _interpreter_scalar_index
+
+    _interpreter_scalar_index()

@@ -1,0 +1,53 @@
+"""Programmatic dependent launch (PDL) for the graph path's Triton kernels.
+
+On Hopper and later, a kernel launched with the programmatic-stream-serialization attribute may start while
+the kernel before it in the stream is still running. Each of our PDL kernels then:
+
+1. does the work that reads nothing an earlier kernel writes (index math; `fused_linear` can also ask L2 to
+   prefetch the first bytes of its weight rows, which no kernel ever writes: off by default, it measured
+   slower);
+2. waits (`griddepcontrol.wait`) until every earlier kernel in the stream has finished and its writes are
+   visible. Every PDL kernel waits before it reads any activation or writes anything, so ordering holds
+   transitively down the whole chain;
+3. lets the next kernel launch (`griddepcontrol.launch_dependents`): `fused_linear` after its K loop (an
+   earlier trigger measured 5-10% slower on an H100: the next kernel's waiting programs hold SMs the running
+   one still needs), the small attention and RoPE kernels at once.
+
+What this buys: the next kernel's launch and its programs' start-up overlap the running kernel's epilogue and
+tail. Kernels that are not launched this way (cuBLAS, torch ops) keep the ordinary stream order; mixing both is
+safe. CUDA graph capture keeps the programmatic edges (CUDA 12.3+). tests/test_gpu_graphs.py checks that logits
+are bit-identical with and without PDL.
+
+`enabled(device)`: a CUDA device of compute capability >= 9, a triton that knows `launch_pdl`, and
+`SPECSERVE_PDL` not set to 0 (the benchmarks compare both ways). Never under Triton's CPU interpreter.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_supports_pdl() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except Exception:  # noqa: BLE001 - no triton, or no NVIDIA backend
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether the graph path's Triton kernels launch with PDL on this device (see the module doc)."""
+    if device.type != "cuda" or os.environ.get("SPECSERVE_PDL", "1") == "0":
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9 and _triton_supports_pdl()
+
+
+def launch_kwargs(use_pdl: bool) -> dict:
+    """Keyword arguments of a Triton launch: `launch_pdl=True` only when used (older tritons lack the name)."""
+    return {"launch_pdl": True} if use_pdl else {}
