@@ -5,7 +5,7 @@ per BLOCK_N output columns over the whole depth K (no split, so the epilogue see
 
 - prologue NORM: RMSNorm of x's rows: a first pass over x (it is small, and in L2) computes the rows' 1/rms in
   float32, and the main loop feeds `weight * (x * rstd).to(dtype)` (the rounding of `graphs.rms_norm`) to the
-  product. (Summing the squares inside the main loop instead measured 5-15% slower on an H100: a reduction
+  product. (Summing the squares inside the main loop instead measured 4-17% slower on an H100: a reduction
   across threads per tile, or a second accumulator, costs more than re-reading x from L2);
 - x addressing: row m = (m // XT, m % XT) with strides (s_xb, s_xt), column k = (k // XD, k % XD) with
   strides (s_xj, 1). A plain [M, K] matrix is XT = 1, XD = 1; the attention output [B, Hkv, G*T, D] read as
@@ -17,9 +17,11 @@ per BLOCK_N output columns over the whole depth K (no split, so the epilogue see
 - otherwise y = (x @ w^T + bias) rounded to w's dtype, stored in y's dtype (float32 logits: the eager
   `linear(...).float()`).
 
-USE_PDL: programmatic dependent launch (`pipeline.models.pdl`). With PREFETCH, before waiting on the previous
-kernel, a program asks L2 to prefetch the first PF_BYTES of each of its weight rows (`cp.async.bulk.prefetch.L2`);
-weights are never written by any kernel, so this may overlap the previous kernel's tail.
+USE_PDL: programmatic dependent launch (`pipeline.models.pdl`): wait for the previous kernel before touching x,
+res or y; let the next kernel launch after the K loop (LATE_TRIGGER) or right after the wait. With PREFETCH,
+before waiting, a program asks L2 to prefetch PF_CHUNKS x PF_BYTES of each of its weight rows
+(`cp.async.bulk.prefetch.L2`; weights are never written by any kernel). The defaults (late trigger, no
+prefetch) are what measured fastest (BENCHMARKS.md, issue 5, Update 5).
 
 With TRITON_INTERPRET=1 set before triton's first import the kernel runs in Triton's CPU interpreter (tests;
 no PDL there).
