@@ -16,7 +16,8 @@ variants (`VARIANTS`: prev = triton attention with cuBLAS linears and the unfuse
 the fused RoPE/cache write, kernels = + the tuned skinny linears, fused = the fused layer of
 `pipeline.models.fused_linear` with programmatic dependent launch on every call of up to 16 rows (auto takes
 it for batch-1 calls), fused-nopdl = without PDL, fused-early = PDL letting the next kernel launch as soon as
-a kernel has waited, fused-pf8 = + an 8 MB L2 weight prefetch per kernel before it waits): one table row, one
+a kernel has waited, fused-pf8 = + an 8 MB L2 weight prefetch per kernel before it waits, fused-fp8 = the fused layer
+streaming float8 weight copies, a drafter's option, checked against the first variant's bf16 8B step): one table row, one
 profile and one set of checks per variant (checks of a variant past the first are suffixed).
 demo: the demo target and the default drafter (prompt lookup) end to end, greedy: this engine vs HF generate
 vs HF assisted generation with the same drafter (`specserve.bench.run_bench`); then 32 concurrent requests
@@ -94,10 +95,11 @@ def copy_bandwidth(gib: float = 4.0) -> dict:
     return {"bytes_moved": 2 * n, "median_ms": t["median_ms"], "GBps": 2 * n / (t["median_ms"] * 1e-3) / 1e9}
 
 
-def floor_ms(shape: str, B: int, T: int, context: int, bw_GBps: float) -> float:
+def floor_ms(shape: str, B: int, T: int, context: int, bw_GBps: float, weight_scale: float = 1.0) -> float:
+    """(weights read once + KV read + KV written) / bandwidth; weight_scale 0.5: float8 weights (fused-fp8)."""
     a = SHAPES[shape]
     kv = kv_bytes_per_token(a)
-    bytes_ = weight_bytes_read(a) + B * (context + T) * kv + B * T * kv
+    bytes_ = weight_scale * weight_bytes_read(a) + B * (context + T) * kv + B * T * kv
     return bytes_ / (bw_GBps * 1e9) * 1e3
 
 
@@ -111,6 +113,8 @@ VARIANTS = {
     "fused-nopdl": {"attention": "triton", "fused_rope": True, "fused_layer": True, "pdl": False},
     "fused-early": {"attention": "triton", "fused_rope": True, "fused_layer": True, "_late_trigger": False},
     "fused-pf8": {"attention": "triton", "fused_rope": True, "fused_layer": True, "_prefetch_mb": 8},
+    # float8 weights with row scales: for drafters (their precision moves acceptance, never the output)
+    "fused-fp8": {"attention": "triton", "fused_rope": True, "fused_layer": True, "weights": "fp8"},
 }
 
 
@@ -435,10 +439,20 @@ def run_steps(args, result: dict, save: Callable[[], None]) -> None:
             log(err)
         save()
     for r in rows:
-        r["floor_ms"] = floor_ms(r["model"], r["B"], r["T"], args.context, bw["GBps"])
+        fp8 = r["impl"] == "ours-graph" and "fp8" in str(r.get("attention"))
+        r["floor_ms"] = floor_ms(r["model"], r["B"], r["T"], args.context, bw["GBps"], 0.5 if fp8 else 1.0)
     result["checks"] = []
-    for i, attention in enumerate(_attentions(rows)):
+    variants = _attentions(rows)
+    for i, attention in enumerate(variants):
         result["checks"] += checks(rows, attention, suffix="" if i == 0 else f" [{attention}]")
+    # A float8 drafter against the bf16 target: the 1B-shaped steps of an fp8 variant over the first variant's 8B step
+    target_8b = _ms(rows, "ours-graph", "llama-8b", 1, 1, variants[0]) if variants else None
+    for attention in (v for v in variants if "fp8" in v):
+        for m in ("llama-1b", "llama-1b-v32k"):
+            d = _ms(rows, "ours-graph", m, 1, 1, attention)
+            result["checks"].append({"check": f"{m} B=1 step [{attention}] / 8B B=1 step [{variants[0]}]",
+                                     "value": d / target_8b if d and target_8b else None, "limit": 0.15,
+                                     "met": None if not (d and target_8b) else d / target_8b <= 0.15})
 
 
 def _attentions(rows: list[dict]) -> list[str]:
@@ -454,6 +468,14 @@ def _ms(rows: list[dict], impl: str, model: str, B: int, T: int, attention: str 
     return None
 
 
+def _floor(rows: list[dict], model: str, B: int, T: int, attention: str | None = None) -> float | None:
+    """The floor of that step: of our row of this variant (float8 variants read half the weight bytes), else the
+    first row of the shape."""
+    shape_rows = [r for r in rows if (r["model"], r["B"], r["T"]) == (model, B, T) and "floor_ms" in r]
+    own = [r for r in shape_rows if r["impl"] == "ours-graph" and r.get("attention") == attention]
+    return (own or shape_rows or [{}])[0].get("floor_ms")
+
+
 def checks(rows: list[dict], attention: str | None = None, suffix: str = "") -> list[dict]:
     """The issue's step-latency targets, each with its measured value (None: not measured)."""
     g = lambda m, B, T: _ms(rows, "ours-graph", m, B, T, attention)  # noqa: E731
@@ -464,7 +486,7 @@ def checks(rows: list[dict], attention: str | None = None, suffix: str = "") -> 
                     "met": None if value is None else value <= limit})
 
     d1, d5 = g("llama-8b", 1, 1), g("llama-8b", 1, 5)
-    fl = next((r["floor_ms"] for r in rows if (r["model"], r["B"], r["T"]) == ("llama-8b", 1, 1)), None)
+    fl = _floor(rows, "llama-8b", 1, 1, attention)
     add("8B B=1 decode / floor", d1 / fl if d1 and fl else None, 1.25)
     add("8B B=1 verify 5 / decode 1", d5 / d1 if d1 and d5 else None, 1.10)
     for m in ("llama-1b", "llama-1b-v32k"):
@@ -488,7 +510,7 @@ def steps_table(result: dict) -> str:
     f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
     for m, B, T, att in keys:
         ours = _ms(rows, "ours-graph", m, B, T, att) if att is not None else None
-        fl = next((r["floor_ms"] for r in rows if (r["model"], r["B"], r["T"]) == (m, B, T)), None)
+        fl = _floor(rows, m, B, T, att)
         eager = next((r["eager_ms"] for r in rows if (r["impl"], r["model"], r["B"], r["T"]) == ("ours-graph", m, B, T)
                       and "eager_ms" in r), None)
         lines.append(f"| {m} | {B} | {T} | {att or '-'} | {f(ours, 3)} | {f(fl, 3)} | "

@@ -87,7 +87,9 @@ class SpeculativeEngine:
         if self.config.extra.get("graphs", True):  # static-shape CUDA-graph path for models on CUDA
             target = _graphs_on_cuda(target)
             if model_drafter is not None:
-                model_drafter.model = _graphs_on_cuda(model_drafter.model)
+                # extra["draft_weights"] = "fp8": the drafter's graph path streams float8 weight copies (half the
+                # bytes; acceptance may move, the output cannot: rejection sampling keeps the target's distribution)
+                model_drafter.model = _graphs_on_cuda(model_drafter.model, self.config.extra.get("draft_weights"))
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.k_policy = k_policy
         cache_len = self.config.max_seq_len + _CACHE_SLACK
@@ -322,8 +324,9 @@ def _model_drafter(drafter: Drafter | None) -> ModelDrafter | None:
     return drafter if isinstance(drafter, ModelDrafter) else None
 
 
-def _graphs_on_cuda(model: CausalLM) -> CausalLM:
-    """The static-shape graph runner for Llama-family models on a CUDA device; others unchanged."""
-    from pipeline.models.graphs import graphs_on_cuda
+def _graphs_on_cuda(model: CausalLM, weights: str | None = None) -> CausalLM:
+    """The static-shape graph runner for Llama-family models on a CUDA device; others unchanged. `weights`:
+    `GraphConfig.weights` ('fp8' for a drafter's float8 copies; None: the model's own)."""
+    from pipeline.models.graphs import GraphConfig, graphs_on_cuda
 
-    return graphs_on_cuda(model)
+    return graphs_on_cuda(model, GraphConfig(weights=weights) if weights else None)

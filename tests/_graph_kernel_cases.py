@@ -7,6 +7,7 @@ model's fused layer against the eager math, printed as one JSON line.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from dataclasses import replace
@@ -37,8 +38,10 @@ FUSED_CASES = [
     ("fused-residual-M17-pad32", "residual", 17, 48, 64, False),
     ("fused-heads-residual-T3", "heads", 6, 40, 96, True),
     ("fused-logits-f32-M40-pad64", "logits", 40, 130, 64, False),
+    ("fused-fp8-gate-norm-M2", "fp8-gate", 2, 40, 128, True),
+    ("fused-fp8-heads-residual-T3", "fp8-heads", 6, 24, 96, False),
 ]
-FUSED_GRAPH_CASES = ["graph-fused-layer-bf16", "graph-fused-layer-bias-window-bf16"]
+FUSED_GRAPH_CASES = ["graph-fused-layer-bf16", "graph-fused-layer-bias-window-bf16", "graph-fused-layer-fp8"]
 TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 3e-3}
 
 
@@ -91,7 +94,7 @@ def fused_case(torch, fl, mode, M, N, K, bias) -> dict:
 
     bf = torch.bfloat16
     g = torch.Generator().manual_seed(M * 1000 + N)
-    rows = 2 * N if mode == "gate" else N
+    rows = 2 * N if mode.endswith("gate") else N
     w = (torch.randn(rows, K, generator=g) / K**0.5).to(bf)
     b = torch.randn(rows, generator=g).to(bf) if bias else None
     nw = (1 + 0.1 * torch.randn(K, generator=g)).to(bf)
@@ -114,18 +117,41 @@ def fused_case(torch, fl, mode, M, N, K, bias) -> dict:
         got = fl.fused_linear_heads(y, T, w, b, residual=res)
         flat = y.view(B, Hkv, -1, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, K)
         want = res + F.linear(flat, w, b)
+    elif mode.startswith("fp8"):  # float8 weights with row scales, against float32 math on their dequantized values
+        w8, scale = fl.quantize_fp8(w)
+        wd = w8.float() * scale[:, None]
+        b32 = None if b is None else b.float()
+        if mode == "fp8-gate":
+            got = fl.fused_linear(x, w8, b, norm_w=nw, eps=1e-5, gate=True, w_scale=scale)
+            gate, up = F.linear(rms_norm(x, nw, 1e-5).float(), wd, b32).chunk(2, dim=-1)
+            want = F.silu(gate) * up
+        else:
+            B, T, Hkv, D = 2, 3, 2, 16
+            y = torch.randn(B, Hkv, K // (Hkv * D) * T, D, generator=g).to(bf)
+            res = torch.randn(B * T, N, generator=g).to(bf)
+            got = fl.fused_linear_heads(y, T, w8, b, residual=res, w_scale=scale)
+            flat = y.view(B, Hkv, -1, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, K).float()
+            want = res.float() + F.linear(flat, wd, b32)
+        # and the quantization itself: within e4m3's rounding (2**-4 relative) of the bf16 weights
+        assert float(((wd.float() - w.float()).abs() / scale[:, None].mul(fl.FP8_MAX)).max()) <= 2**-4
     else:  # the output layer: bf16 logits returned as float32
         got = torch.full((M, N), float("nan"))
         fl.fused_linear(x, w, b, norm_w=nw, eps=1e-5, out=got)
         want = F.linear(rms_norm(x, nw, 1e-5), w, b).float()
     assert got.shape == want.shape, (got.shape, want.shape)
     err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
-    return {"err": err, "tol": TOL["bfloat16"], "ok": bool(torch.isfinite(got).all())}
+    # Against a float32 reference the gate's four bf16 roundings (gate, up, SiLU, product) and the interpreter's
+    # coarse dots add up to ~2.5%; a missing row scale would be off by orders of magnitude.
+    tol = 3e-2 if mode == "fp8-gate" else TOL["bfloat16"]
+    return {"err": err, "tol": tol, "ok": bool(torch.isfinite(got).all())}
 
 
 def fused_graph_case(torch, case: str) -> dict:
     """A tiny bf16 model's static path with the fused layer against the unfused static path (same kernels
-    otherwise) and the eager runner: logits within bf16 tolerance of the largest logit, the fused layer used."""
+    otherwise) and the eager runner: logits within bf16 tolerance of the largest logit, the fused layer used.
+    fp8: weights that float8 holds exactly; the float8 layer must then give the bf16 fused layer's logits."""
+    from _decode_attention_cases import compare_static_paths
+
     from pipeline.models.graphs import GraphCausalLM, GraphConfig
     from pipeline.models.shapes import SHAPES, random_llama
 
@@ -135,6 +161,8 @@ def fused_graph_case(torch, case: str) -> dict:
     cfg = GraphConfig(graphs=False, compile=False, batch_buckets=(1, 2, 4), token_buckets=(1, 2, 4, 8), kv_block=16,
                       attention="triton", linear="torch", fused_rope=True)
 
+    fp8 = case.endswith("fp8")
+
     def model():
         m = random_llama(args, "cpu", torch.bfloat16, seed=7)
         if bias_window:  # q/k/v biases (Qwen2-like) on every layer
@@ -143,15 +171,24 @@ def fused_graph_case(torch, case: str) -> dict:
                 for lin in (layer.attention.wq, layer.attention.wk, layer.attention.wv):
                     b = 0.1 * torch.randn(lin.out_features, generator=g)
                     lin.bias = torch.nn.Parameter(b.to(torch.bfloat16), requires_grad=False)
+        if fp8:  # weights float8 holds exactly: e4m3 codes times a power of two, each row reaching 448
+            for name, p in m.model.named_parameters():
+                if p.dim() == 2:  # the tied embedding table too: it is the output layer
+                    codes = (p.float() / p.float().abs().amax(1, keepdim=True) * 448).to(torch.float8_e4m3fn).float()
+                    codes[:, 0] = 448.0
+                    p.data.copy_((codes * 2.0 ** -(int(math.log2(448 * p.shape[1] ** 0.5)) + 1)).to(torch.bfloat16))
         return m
 
     models = {
-        "fused": GraphCausalLM(model(), replace(cfg, fused_layer=True)),
+        "fused": GraphCausalLM(model(), replace(cfg, fused_layer=True, weights="fp8" if fp8 else "model")),
         "unfused": GraphCausalLM(model(), replace(cfg, fused_layer=False)),
         "eager": model(),
     }
-    from _decode_attention_cases import compare_static_paths
-
+    if fp8:  # the float8 copies are exact here: the same logits as the bf16 fused layer, bit for bit
+        models["fused-bf16"] = GraphCausalLM(model(), replace(cfg, fused_layer=True))
+        exact, _ = compare_static_paths(torch, {"fused": models["fused"], "fused-bf16": models["fused-bf16"]},
+                                        "fused", ("fused-bf16",))
+        return {"err": exact, "tol": 0.0, "ok": models["fused"].stats.fused_runs >= 3}
     # Logits of magnitude 1-3. The interpreter's bf16 dots are coarser than the GPU's: the unfused path with the
     # Triton linears is itself 0.08 from the eager runner here. Negative controls (a wrong norm epsilon in the
     # MLP, swapped attention heads) land at 1.7 and 5.1.

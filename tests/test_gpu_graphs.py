@@ -144,6 +144,52 @@ def test_pdl_changes_no_bit_of_the_fused_layer():
         assert all(torch.equal(a, b) for a, b in zip(out["pdl"], out[name])), name
 
 
+def _fp8_exact_(model) -> None:
+    """Give every matrix weights float8 holds exactly: e4m3 codes times a power of two, each row reaching 448."""
+    import math
+
+    for p in model.model.parameters():
+        if p.dim() == 2:
+            codes = (p.float() / p.float().abs().amax(1, keepdim=True) * 448).to(torch.float8_e4m3fn).float()
+            codes[:, 0] = 448.0
+            p.data.copy_((codes * 2.0 ** -(int(math.log2(448 * p.shape[1] ** 0.5)) + 1)).to(p.dtype))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_fp8_weights_give_the_bf16_fused_layer_where_float8_is_exact():
+    """weights='fp8' streams float8 copies with row scales. On weights float8 holds exactly it must give the bf16
+    fused layer's logits up to summation order (each shape's kernels are tuned per weight dtype), captured and
+    replayed; on ordinary random weights it stays near the bf16 eager runner (the quantization error)."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 needs compute capability 8.9+")
+    dev = torch.device("cuda")
+    runners = {}
+    for name, weights in (("fp8", "fp8"), ("bf16", "model")):
+        m = random_llama(SMALL, dev, torch.bfloat16, seed=6)
+        _fp8_exact_(m)
+        runners[name] = GraphCausalLM(m, GraphConfig(fused_layer=True, weights=weights))
+    noisy = GraphCausalLM(random_llama(SMALL, dev, torch.bfloat16, seed=6), GraphConfig(fused_layer=True, weights="fp8"))
+    eager = random_llama(SMALL, dev, torch.bfloat16, seed=6)
+    g = torch.Generator().manual_seed(4)
+    for m in (*runners.values(), noisy, eager):
+        m.allocate(4, 512)
+    for slot in range(3):
+        prompt = torch.randint(0, SMALL.vocab_size, (1, 20 + 30 * slot), generator=g).cuda()
+        for m in (*runners.values(), noisy, eager):
+            m.forward(prompt, torch.tensor([0]), torch.tensor([slot]), prompt.shape[1] - 1)
+    for B, T in ((1, 1), (1, 5), (3, 1)):
+        slots, positions = torch.arange(B), torch.tensor([20 + 30 * s for s in range(B)])
+        tokens = torch.randint(0, SMALL.vocab_size, (B, T), generator=g).cuda()
+        for _ in range(2):  # capture, then replay
+            a, b = (runners[k].forward(tokens, positions, slots) for k in ("fp8", "bf16"))
+            assert _rel(a, b) < 5e-3, (B, T, _rel(a, b))
+            got, want = noisy.forward(tokens, positions, slots), eager.forward(tokens, positions, slots)
+            # float8 weights alone move this random model's logits by 0.12 (float32, CPU); a wrong or missing scale
+            # moves them by 1 or more
+            assert torch.isfinite(got).all() and _rel(got, want) < 0.25, (B, T, _rel(got, want))
+    assert runners["fp8"].stats.fused_runs >= 9 and noisy.stats.fused_runs >= 9
+
+
 def test_no_host_sync_inside_a_step(runners):
     graph = runners[0]
     tokens = torch.randint(0, SMALL.vocab_size, (2, 5), device="cuda")
@@ -210,6 +256,30 @@ def test_greedy_speculative_on_graphs_equals_unbatched_eager_fp32(attention):
     got = [r.token_ids for r in engine.generate_batch(prompts, params, SpecParams(5))]
     assert got == ref
     assert engine.target.stats.captures > 0 and engine.target.stats.graph_calls > engine.target.stats.eager_calls
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_greedy_with_an_fp8_drafter_equals_the_float32_target():
+    """A drafter whose graph path streams float8 weights (EngineConfig.extra['draft_weights'] = 'fp8') changes
+    what is proposed and accepted, never the output: greedy speculative decoding equals the float32 target's own
+    greedy decoding token for token."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 needs compute capability 8.9+")
+    dev = torch.device("cuda")
+    tiny = replace(SMALL, n_layers=2, dim=256, n_heads=8, n_kv_heads=2, head_dim=32, intermediate_size=512, vocab_size=512)
+    prompts = [[5, 17, 33, 17, 33, 9], list(range(40, 70)), [100, 7], [4, 4, 8, 15, 16, 23, 42]]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, seed=0) for m in (40, 9, 33, 21)]
+    ref_engine = SpeculativeEngine(random_llama(tiny, dev, torch.float32, seed=3), None, None,
+                                   EngineConfig(max_batch_size=1, max_seq_len=128, extra={"graphs": False}))
+    ref = [ref_engine.generate(p, q, SpecParams(0)).token_ids for p, q in zip(prompts, params)]
+    # the drafter: the target's own weights in bf16 (so it proposes well), streamed as float8
+    drafter = ModelDrafter(random_llama(tiny, dev, torch.bfloat16, seed=3))
+    engine = SpeculativeEngine(random_llama(tiny, dev, torch.float32, seed=3), None, drafter,
+                               EngineConfig(max_batch_size=2, max_seq_len=128, extra={"draft_weights": "fp8"}))
+    assert isinstance(drafter.model, GraphCausalLM) and drafter.model._fp8
+    got = [r.token_ids for r in engine.generate_batch(prompts, params, SpecParams(4))]
+    assert got == ref
+    assert drafter.model.stats.fused_runs > 0
 
 
 def test_float32_graph_logits_do_not_depend_on_the_step_shape():

@@ -88,6 +88,10 @@ def test_fused_layer_is_off_by_default_on_cpu_and_refused_without_its_kernels():
     assert not GraphCausalLM(random_llama(args, "cpu", torch.bfloat16), base).fused_layer
     with pytest.raises(ValueError, match="the Triton attention"):
         GraphCausalLM(random_llama(args, "cpu", torch.bfloat16), replace(base, attention="sdpa", fused_layer=True))
+    with pytest.raises(ValueError, match="weights='fp8' needs the fused layer"):
+        GraphCausalLM(random_llama(args, "cpu", torch.bfloat16), replace(base, weights="fp8"))
+    with pytest.raises(ValueError, match="weights must be"):
+        GraphCausalLM(random_llama(args, "cpu", torch.bfloat16), replace(base, weights="int4"))
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")

@@ -12,10 +12,13 @@ per BLOCK_N output columns over the whole depth K (no split, so the epilogue see
   [B*T, H*D] is XT = T, XD = D, s_xj = T*D (the permute the eager path copies);
 - epilogue GATE: w holds gate rows [0, N) and up rows [N_UP, N_UP + N); y = silu(gate) * up, each rounded as
   the eager `F.silu(gate) * up` rounds;
-- epilogue RESIDUAL: y = res + (x @ w^T + bias) rounded to w's dtype first (the eager `x + linear(...)`);
+- epilogue RESIDUAL: y = res + (x @ w^T + bias) rounded to x's dtype first (the eager `x + linear(...)`);
   res may be y itself (in place: each element is read and written by the same program);
-- otherwise y = (x @ w^T + bias) rounded to w's dtype, stored in y's dtype (float32 logits: the eager
+- otherwise y = (x @ w^T + bias) rounded to x's dtype, stored in y's dtype (float32 logits: the eager
   `linear(...).float()`).
+- HAS_SCALE: w is float8 (e4m3) with a float32 scale per row; tiles are widened to x's dtype (exact) for the
+  product, and each column's sum is multiplied by its row's scale before the bias. Half the weight bytes: for
+  drafters (`quantize_fp8`), whose precision changes only how often drafts are accepted, never the output.
 
 USE_PDL: programmatic dependent launch (`pipeline.models.pdl`): wait for the previous kernel before touching x,
 res or y; let the next kernel launch after the K loop (LATE_TRIGGER) or right after the wait. With PREFETCH,
@@ -42,7 +45,7 @@ def _prefetch_rows_l2(ptrs, nbytes):
 
 @triton.jit
 def fused_linear_kernel(
-    X, NORM_W, W, BIAS, RES, Y,
+    X, NORM_W, W, W_SCALE, BIAS, RES, Y,
     M, N, K, N_UP, XT, PF_BYTES, PF_STEP,
     s_xb, s_xt, s_xj, s_wn, s_rm, s_ym,
     eps,
@@ -54,6 +57,7 @@ def fused_linear_kernel(
     GATE: tl.constexpr,
     RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,  # w is float8 with one float32 scale per row (W_SCALE): w_true = w * scale
     EVEN_K: tl.constexpr,  # K is a whole number of BLOCK_K tiles: no K mask
     USE_PDL: tl.constexpr,
     PREFETCH: tl.constexpr,  # with USE_PDL: prefetch PF_CHUNKS x PF_BYTES of each weight row into L2 first
@@ -61,6 +65,7 @@ def fused_linear_kernel(
     LATE_TRIGGER: tl.constexpr,  # with USE_PDL: let the next kernel launch after the K loop, not at the start
     DOT_IN_F32: tl.constexpr,  # interpreter + bf16 only: Triton 3.6's interpreter multiplies bf16 as raw bits
 ):
+    DT = X.dtype.element_ty  # the model's activation dtype: products and roundings in it
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, M_PAD)
@@ -113,10 +118,12 @@ def fused_linear_kernel(
                 nw = tl.load(NORM_W + offs_k).to(tl.float32)
             else:
                 nw = tl.load(NORM_W + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            xn = (x.to(tl.float32) * rstd[:, None]).to(W.dtype.element_ty)
-            x = (nw[None, :] * xn.to(tl.float32)).to(W.dtype.element_ty)
+            xn = (x.to(tl.float32) * rstd[:, None]).to(DT)
+            x = (nw[None, :] * xn.to(tl.float32)).to(DT)
         else:
-            x = x.to(W.dtype.element_ty)
+            x = x.to(DT)
+        if HAS_SCALE:
+            w = w.to(DT)  # float8 -> bf16/fp16 is exact; the row scales multiply the sums below
         if DOT_IN_F32:
             x = x.to(tl.float32)
             acc += tl.dot(x, w.to(tl.float32), input_precision="ieee")
@@ -127,6 +134,8 @@ def fused_linear_kernel(
                 u = tl.load(u_rows + offs_k[:, None], mask=n_ok[None, :], other=0.0)
             else:
                 u = tl.load(u_rows + offs_k[:, None], mask=n_ok[None, :] & (offs_k < K)[:, None], other=0.0)
+            if HAS_SCALE:
+                u = u.to(DT)
             if DOT_IN_F32:
                 acc_u += tl.dot(x, u.to(tl.float32), input_precision="ieee")
             else:
@@ -135,15 +144,19 @@ def fused_linear_kernel(
     if USE_PDL:
         if LATE_TRIGGER:
             tl.extra.cuda.gdc_launch_dependents()
+    if HAS_SCALE:
+        acc = acc * tl.load(W_SCALE + offs_n, mask=n_ok, other=0.0)[None, :]
+        if GATE:
+            acc_u = acc_u * tl.load(W_SCALE + N_UP + offs_n, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(BIAS + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if GATE:
             acc_u += tl.load(BIAS + N_UP + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out = acc.to(W.dtype.element_ty).to(tl.float32)  # what F.linear returns
+    out = acc.to(DT).to(tl.float32)  # what F.linear returns
     mask = m_ok[:, None] & n_ok[None, :]
     if GATE:
-        up = acc_u.to(W.dtype.element_ty).to(tl.float32)
-        act = (out / (1.0 + tl.exp(-out))).to(W.dtype.element_ty).to(tl.float32)  # F.silu, rounded
+        up = acc_u.to(DT).to(tl.float32)
+        act = (out / (1.0 + tl.exp(-out))).to(DT).to(tl.float32)  # F.silu, rounded
         out = act * up
     if RESIDUAL:
         res = tl.load(RES + offs_m[:, None] * s_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)

@@ -71,6 +71,11 @@ class GraphConfig:
     fused_layer: bool | None = None
     # Programmatic dependent launch of the Triton kernels (pipeline.models.pdl); None: where the GPU has it
     pdl: bool | None = None
+    # "fp8": the fused layer streams float8 (e4m3) copies of the linear weights with a scale per row
+    # (fused_linear.quantize_fp8): half the bytes. For drafters only: it changes the model's outputs, which for a
+    # drafter moves acceptance and never the served tokens. Needs the fused layer; takes it for every call of up
+    # to 16 rows. Calls past that, and prefill, use the model's own weights.
+    weights: str = "model"
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int | None:
@@ -218,6 +223,12 @@ class GraphCausalLM:
         self.attention = resolve_attention(cfg.attention, self.device)
         self.linear_kind = resolve_linear(cfg.linear, self.device)
         self.fused_layer = self._resolve_fused_layer(on_cuda)
+        if cfg.weights not in ("model", "fp8"):
+            raise ValueError(f"weights must be 'model' or 'fp8', got {cfg.weights!r}")
+        if cfg.weights == "fp8" and not self.fused_layer:
+            raise ValueError("weights='fp8' needs the fused layer (Triton attention, fused RoPE, bf16/fp16 weights)")
+        if cfg.weights == "fp8" and on_cuda and torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise ValueError("weights='fp8' needs a GPU with float8 support (compute capability 8.9 or later)")
         self.use_pdl = (pdl.enabled(self.device) if cfg.pdl is None else cfg.pdl) and self.attention == "triton"
         self.stats = GraphStats()
         self._graphs: dict[tuple[int, int, int], _Graph] = {}
@@ -232,6 +243,12 @@ class GraphCausalLM:
                 layer.attention_norm.weight, wqkv, bqkv, at.wo.weight, at.wo.bias,
                 layer.ffn_norm.weight, w13, b13, ff.w2.weight, ff.w2.bias,
             ))
+        # weights='fp8': per layer {name: (float8 weight, row scales)}, and the output layer's
+        self._fp8: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        self._fp8_out: tuple[torch.Tensor, torch.Tensor] | None = None
+        if cfg.weights == "fp8":
+            self._fp8 = [{n: fl.quantize_fp8(getattr(w, n)) for n in ("wqkv", "wo", "w13", "w2")} for w in self._layers]
+            self._fp8_out = fl.quantize_fp8(m.output.weight)
         self._attn_in: Callable = attn_in
         self._qkv_proj: Callable = qkv_proj
         self._attn_out_mlp: Callable = attn_out_mlp
@@ -383,7 +400,7 @@ class GraphCausalLM:
     ) -> None:
         a = self.args
         B, T = tokens.shape
-        if self.fused_layer and B * T <= fl.LAYER_MAX_ROWS and (self.config.fused_layer or B == 1):
+        if self.fused_layer and B * T <= fl.LAYER_MAX_ROWS and (self.config.fused_layer or self._fp8 or B == 1):
             self.stats.fused_runs += 1
             return self._fused_forward(tokens, positions, slots, S, out)
         Hkv, D, L = a.n_kv_heads, a.head_dim, self.max_len
@@ -426,16 +443,23 @@ class GraphCausalLM:
         pos = positions[:, None] + self._arange[:T]  # [B, T]
         scale = 1.0 / math.sqrt(a.head_dim)
         x = r.model.tok_embeddings(tokens).view(B * T, -1)  # [B*T, C], a fresh tensor: updated in place
-        for w, k_cache, v_cache in zip(self._layers, r.k_caches, r.v_caches):
-            qkv = fl.fused_linear(x, w.wqkv, w.bqkv, norm_w=w.attn_norm, eps=eps, use_pdl=p)
+        for i, (w, k_cache, v_cache) in enumerate(zip(self._layers, r.k_caches, r.v_caches)):
+            q8 = self._fp8[i] if self._fp8 else {}
+            mat = lambda name: q8.get(name, (getattr(w, name), None))  # noqa: E731 - (weight, float8 row scales)
+            wqkv, s_qkv = mat("wqkv")
+            qkv = fl.fused_linear(x, wqkv, w.bqkv, norm_w=w.attn_norm, eps=eps, use_pdl=p, w_scale=s_qkv)
             q = triton_rope_write(qkv.view(B, T, -1), r._cos, r._sin, pos, slots, k_cache, v_cache, a.n_heads,
                                   use_pdl=p)
             y = triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, a.sliding_window, use_pdl=p)
-            fl.fused_linear_heads(y, T, w.wo, w.bo, residual=x, out=x, use_pdl=p)
-            h = fl.fused_linear(x, w.w13, w.b13, norm_w=w.ffn_norm, eps=eps, gate=True, use_pdl=p)
-            fl.fused_linear(h, w.w2, w.b2, residual=x, out=x, use_pdl=p)
+            wo, s_o = mat("wo")
+            fl.fused_linear_heads(y, T, wo, w.bo, residual=x, out=x, use_pdl=p, w_scale=s_o)
+            w13, s_13 = mat("w13")
+            h = fl.fused_linear(x, w13, w.b13, norm_w=w.ffn_norm, eps=eps, gate=True, use_pdl=p, w_scale=s_13)
+            w2, s_2 = mat("w2")
+            fl.fused_linear(h, w2, w.b2, residual=x, out=x, use_pdl=p, w_scale=s_2)
         m = r.model
-        fl.fused_linear(x, m.output.weight, norm_w=m.norm.weight, eps=eps, out=out.view(B * T, -1), use_pdl=p)
+        w_out, s_out = self._fp8_out or (m.output.weight, None)
+        fl.fused_linear(x, w_out, norm_w=m.norm.weight, eps=eps, out=out.view(B * T, -1), use_pdl=p, w_scale=s_out)
 
 
 def maybe_graphs(model: CausalLM, config: GraphConfig | None = None) -> CausalLM:
