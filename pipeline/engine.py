@@ -329,4 +329,6 @@ def _graphs_on_cuda(model: CausalLM, weights: str | None = None) -> CausalLM:
     `GraphConfig.weights` ('fp8' for a drafter's float8 copies; None: the model's own)."""
     from pipeline.models.graphs import GraphConfig, graphs_on_cuda
 
+    if weights and torch.device(getattr(model, "device", "cpu")).type != "cuda":
+        raise ValueError(f"draft_weights={weights!r} needs the draft model on a CUDA device (it is a graph-path option)")
     return graphs_on_cuda(model, GraphConfig(weights=weights) if weights else None)

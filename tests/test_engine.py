@@ -304,3 +304,13 @@ def test_hybrid_block_ships_the_distribution_each_row_was_drawn_from(tiny_models
     assert torch.equal(block.token_ids[1], ref.token_ids[0])
     torch.testing.assert_close(dense[1, :3], _dense_draft_probs(ref, torch.ones(1, 3, dtype=torch.bool),
                                                                 draft_model.info.vocab_size)[0, :3])
+
+
+def test_fp8_draft_weights_on_cpu_is_a_clear_error(tiny_models):
+    """draft_weights='fp8' is a CUDA graph-path option: asked for on a CPU drafter it fails at construction, with
+    a message that says so, instead of being silently ignored."""
+    target, _ = load_model(tiny_models["llama"])
+    drafter = ModelDrafter(load_model(tiny_models["draft"])[0])
+    with pytest.raises(ValueError, match="needs the draft model on a CUDA device"):
+        SpeculativeEngine(target, None, drafter, EngineConfig(max_batch_size=1, max_seq_len=64,
+                                                               extra={"draft_weights": "fp8"}))
