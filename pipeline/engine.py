@@ -84,12 +84,15 @@ class SpeculativeEngine:
     ) -> None:
         self.config = config or EngineConfig()
         model_drafter = _model_drafter(drafter)
+        draft_weights = self.config.extra.get("draft_weights")
+        if draft_weights and model_drafter is None:
+            raise ValueError(f"draft_weights={draft_weights!r} applies to a draft model, and this drafter has none")
         if self.config.extra.get("graphs", True):  # static-shape CUDA-graph path for models on CUDA
             target = _graphs_on_cuda(target)
             if model_drafter is not None:
                 # extra["draft_weights"] = "fp8": the drafter's graph path streams float8 weight copies (half the
                 # bytes; acceptance may move, the output cannot: rejection sampling keeps the target's distribution)
-                model_drafter.model = _graphs_on_cuda(model_drafter.model, self.config.extra.get("draft_weights"))
+                model_drafter.model = _graphs_on_cuda(model_drafter.model, draft_weights)
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.k_policy = k_policy
         cache_len = self.config.max_seq_len + _CACHE_SLACK

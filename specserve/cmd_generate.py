@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--max-seq-len", type=int, default=4096)
+    p.add_argument("--draft-weights", default="model", choices=("model", "fp8"),
+                   help="fp8: the draft model's CUDA graph path streams float8 copies of its weights (half the bytes; "
+                        "acceptance may move, the output cannot). Needs --device cuda and a bf16/fp16 draft model")
     p.add_argument("--fixed-k", action="store_true",
                    help="draft K tokens every step (default: greedy requests adapt K per step between 0 and K "
                         "from measured step costs and acceptance; sampled requests always use K)")
@@ -51,7 +54,9 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     draft = None if args.no_draft else (default_draft(args.target) if args.draft in (None, "default") else args.draft)
-    config = EngineConfig(max_batch_size=1, max_seq_len=args.max_seq_len, device=args.device, dtype=args.dtype)
+    extra = {"draft_weights": args.draft_weights} if args.draft_weights != "model" else {}
+    config = EngineConfig(max_batch_size=1, max_seq_len=args.max_seq_len, device=args.device, dtype=args.dtype,
+                          extra=extra)
     engine = SpeculativeEngine.from_pretrained(args.target, draft, config, adaptive_k=not args.fixed_k)
 
     result = None
