@@ -87,6 +87,9 @@ class SpeculativeEngine:
         draft_weights = self.config.extra.get("draft_weights")
         if draft_weights and model_drafter is None:
             raise ValueError(f"draft_weights={draft_weights!r} applies to a draft model, and this drafter has none")
+        if draft_weights and not self.config.extra.get("graphs", True):
+            raise ValueError(f"draft_weights={draft_weights!r} is an option of the graph path, "
+                             "which extra['graphs'] turns off")
         if self.config.extra.get("graphs", True):  # static-shape CUDA-graph path for models on CUDA
             target = _graphs_on_cuda(target)
             if model_drafter is not None:

@@ -314,3 +314,6 @@ def test_fp8_draft_weights_on_cpu_is_a_clear_error(tiny_models):
     with pytest.raises(ValueError, match="needs the draft model on a CUDA device"):
         SpeculativeEngine(target, None, drafter, EngineConfig(max_batch_size=1, max_seq_len=64,
                                                                extra={"draft_weights": "fp8"}))
+    with pytest.raises(ValueError, match="which extra\\['graphs'\\] turns off"):
+        SpeculativeEngine(target, None, drafter, EngineConfig(max_batch_size=1, max_seq_len=64,
+                                                               extra={"draft_weights": "fp8", "graphs": False}))
