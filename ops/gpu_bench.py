@@ -16,9 +16,10 @@ variants (`VARIANTS`: prev = triton attention with cuBLAS linears and the unfuse
 the fused RoPE/cache write, kernels = + the tuned skinny linears, fused = the fused layer of
 `pipeline.models.fused_linear` with programmatic dependent launch on every call of up to 16 rows (auto takes
 it for batch-1 calls), fused-nopdl = without PDL, fused-early = PDL letting the next kernel launch as soon as
-a kernel has waited, fused-pf8 = + an 8 MB L2 weight prefetch per kernel before it waits, fused-fp8 = the fused layer
-streaming float8 weight copies, a drafter's option, checked against the first variant's bf16 8B step): one table row, one
-profile and one set of checks per variant (checks of a variant past the first are suffixed).
+a kernel has waited, fused-pf8 = + an 8 MB L2 weight prefetch per kernel before it waits, fused-fp8 = the
+fused layer streaming float8 weight copies, a drafter's option, checked against the first variant's bf16 8B
+step): one table row, one profile and one set of checks per variant (checks of a variant past the first are
+suffixed).
 demo: the demo target and the default drafter (prompt lookup) end to end, greedy: this engine vs HF generate
 vs HF assisted generation with the same drafter (`specserve.bench.run_bench`); then 32 concurrent requests
 with speculation off, on at fixed K and on with the adaptive K policy: aggregate tokens/s.
@@ -119,14 +120,19 @@ VARIANTS = {
 
 
 def variant_config(name: str) -> GraphConfig:
-    """The variant's GraphConfig; also sets the fused layer's L2 prefetch budget (a process-wide setting read
-    when a shape is captured) to the variant's, or the default."""
+    """The variant's GraphConfig; also sets the fused layer's process-wide launch settings (L2 prefetch budget,
+    PDL trigger; read when a shape is captured) to the variant's, or the defaults."""
     import pipeline.models.fused_linear as fl
 
     v = dict(VARIANTS.get(name, {"attention": name}))
     fl.PREFETCH_BYTES = int(float(v.pop("_prefetch_mb", _DEFAULT_PREFETCH_MB)) * (1 << 20))
     fl.LATE_TRIGGER = v.pop("_late_trigger", _DEFAULT_LATE_TRIGGER)
     return GraphConfig(**v)
+
+
+def _is_fp8(variant: str | None) -> bool:
+    """Whether a variant streams float8 weights (its floor counts one byte per weight)."""
+    return VARIANTS.get(variant or "", {}).get("weights") == "fp8"
 
 
 _DEFAULT_PREFETCH_MB = os.environ.get("SPECSERVE_PDL_PREFETCH_MB", "0")
@@ -439,7 +445,7 @@ def run_steps(args, result: dict, save: Callable[[], None]) -> None:
             log(err)
         save()
     for r in rows:
-        fp8 = r["impl"] == "ours-graph" and "fp8" in str(r.get("attention"))
+        fp8 = r["impl"] == "ours-graph" and _is_fp8(r.get("attention"))
         r["floor_ms"] = floor_ms(r["model"], r["B"], r["T"], args.context, bw["GBps"], 0.5 if fp8 else 1.0)
     result["checks"] = []
     variants = _attentions(rows)
@@ -447,7 +453,7 @@ def run_steps(args, result: dict, save: Callable[[], None]) -> None:
         result["checks"] += checks(rows, attention, suffix="" if i == 0 else f" [{attention}]")
     # A float8 drafter against the bf16 target: the 1B-shaped steps of an fp8 variant over the first variant's 8B step
     target_8b = _ms(rows, "ours-graph", "llama-8b", 1, 1, variants[0]) if variants else None
-    for attention in (v for v in variants if "fp8" in v):
+    for attention in (v for v in variants if _is_fp8(v)):
         for m in ("llama-1b", "llama-1b-v32k"):
             d = _ms(rows, "ours-graph", m, 1, 1, attention)
             result["checks"].append({"check": f"{m} B=1 step [{attention}] / 8B B=1 step [{variants[0]}]",

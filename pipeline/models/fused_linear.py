@@ -256,5 +256,6 @@ def config_for(x: torch.Tensor, M: int, N: int, K: int, w: torch.Tensor, bias, n
 
 def chosen() -> dict[str, str]:
     """What was chosen per shape so far, for benchmark reports."""
-    return {f"Mpad{k[0]} N{k[1]} K{k[2]}{' gate' if k[4] else ''}{' norm' if k[5] else ''}"
-            f"{' res' if k[6] else ''}": f"{c.block_n}x{c.block_k}/s{c.num_stages}" for k, c in _choices.items()}
+    return {f"Mpad{k[0]} N{k[1]} K{k[2]} {str(k[3]).removeprefix('torch.')}{' gate' if k[4] else ''}"
+            f"{' norm' if k[5] else ''}{' res' if k[6] else ''}": f"{c.block_n}x{c.block_k}/s{c.num_stages}"
+            for k, c in _choices.items()}
