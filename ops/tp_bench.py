@@ -25,9 +25,10 @@ Also timed: the eager runner (B=1, T=1), and "driven" steps, the way a serving r
 floor = (this rank's weights read once + its KV heads read and written) / copy bandwidth of one card
 (a large device-to-device copy: bytes read + written over time), so at TP=N it is the floor "across the N
 cards". Logits: the decode and verify logits of TP=N against TP=1 at the same inputs (8B, exact init).
-`--allreduce auto,nccl` times each all-reduce kind of the graph path (`pipeline.models.tp_allreduce`) in the
-same processes; the checks read the first kind listed. The other kinds' logits are recorded against the first's
-(`variant_logits_max_diff`): equal at TP=2, different in bf16 rounding past 2 ranks (another summation order).
+`--allreduce auto,nccl` times each all-reduce kind of the graph path (`pipeline.models.tp_allreduce`, and
+"fused", `pipeline.models.tp_fused`) in the same processes; the checks read the first kind listed. The other
+kinds' logits are recorded against the first's (`variant_logits_max_diff`): equal at TP=2, different in bf16
+rounding past 2 ranks (another summation order).
 `--linear` picks the graph runner's few-row linears (`GraphConfig.linear`, default auto: tuned per shape).
 """
 
@@ -436,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="models up to this size draw full tensors on every rank (TP=N == TP=1 model)")
     p.add_argument("--no-compile", action="store_true", help="graphs without torch.compile (faster start)")
     p.add_argument("--allreduce", default="auto",
-                   help="all-reduce kinds to time at TP > 1 (pipeline.models.tp_allreduce: auto, nccl, symm)")
+                   help="all-reduce kinds to time at TP > 1 (pipeline.models.tp_allreduce: auto, nccl, "
+                        "symm; and fused, pipeline.models.tp_fused)")
     p.add_argument("--linear", default="auto", help="GraphConfig.linear: auto (tuned Triton/cuBLAS), torch, triton")
     p.add_argument("--no-fp32-ref", action="store_true", help="skip the float32 TP=1 logits (needs 4 bytes/param)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="per (shape, N) launch")

@@ -42,6 +42,8 @@ FUSED_CASES = [
     ("fused-fp8-heads-residual-T3", "fp8-heads", 6, 24, 96, False),
 ]
 FUSED_GRAPH_CASES = ["graph-fused-layer-bf16", "graph-fused-layer-bias-window-bf16", "graph-fused-layer-fp8"]
+# (id, ranks, rows): the tensor-parallel fused all-reduce (pipeline.models.tp_fused), ranks simulated in one process
+TP_FUSED_CASES = [("tp-fused-2-ranks", 2, 1), ("tp-fused-3-ranks-5-rows", 3, 5)]
 TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 3e-3}
 
 
@@ -146,6 +148,61 @@ def fused_case(torch, fl, mode, M, N, K, bias) -> dict:
     return {"err": err, "tol": tol, "ok": bool(torch.isfinite(got).all())}
 
 
+def tp_fused_case(torch, fl, R: int, M: int) -> dict:
+    """R ranks of a row-parallel output projection and MLP, simulated in one process: each rank pushes its
+    partials into every rank's site buffers (`SiteBuffers` over plain memory, peer addresses in one address
+    space), then adds them to its residual stream (`reduce_into`), three steps in a row. Against the unsharded
+    eager bf16 math; every rank must hold the same residual bits, its counters exactly epoch * R (one push per
+    rank and step) and its tickets back at 0. The negative control drops one rank's partial from the reference."""
+    import torch.nn.functional as F
+
+    from pipeline.models.graphs import rms_norm
+    from pipeline.models.tp_fused import SiteBuffers
+
+    bf, C, I, Kin, eps = torch.bfloat16, 64, 48, 32, 1e-5
+    g = torch.Generator().manual_seed(R * 10 + M)
+    wo = (torch.randn(C, Kin * R, generator=g) / (Kin * R) ** 0.5).to(bf)  # row-parallel: columns split
+    w13 = (torch.randn(2 * I * R, C, generator=g) / C**0.5).to(bf)  # column-parallel gate/up
+    w2 = (torch.randn(C, I * R, generator=g) / (I * R) ** 0.5).to(bf)
+    nw = (1 + 0.1 * torch.randn(C, generator=g)).to(bf)
+    bufs = [torch.zeros(SiteBuffers.nbytes(R, 16, C, 4), dtype=torch.uint8) for _ in range(R)]
+    sites = [SiteBuffers(b, [b_.data_ptr() for b_ in bufs], r, 16, C, 4) for r, b in enumerate(bufs)]
+    gate_r = lambda r: torch.cat([w13[r * I:(r + 1) * I], w13[(R + r) * I:(R + r + 1) * I]])  # noqa: E731
+    x = torch.randn(M, C, generator=g).to(bf)
+    err = wrong = 0.0
+    same = True
+    for step in range(3):
+        y = torch.randn(M, Kin * R, generator=g).to(bf)
+        # the eager, unsharded reference: x += wo y; x += w2 silu-gate(norm(x))
+        ref1 = x + F.linear(y, wo)
+        gate, up = F.linear(rms_norm(ref1, nw, eps), w13).chunk(2, dim=-1)  # [gate rows of all ranks; up rows]
+        ref2 = ref1 + F.linear(F.silu(gate) * up, w2)
+        short = x + F.linear(y[:, :Kin], wo[:, :Kin])  # rank 0's partial only
+        for s in sites:
+            s.begin()
+        for r, s in enumerate(sites):  # producers: output projection partials (site 0)
+            fl.fused_linear(y[:, r * Kin:(r + 1) * Kin].contiguous(), wo[:, r * Kin:(r + 1) * Kin].contiguous(),
+                            push=s.push(0))
+        xs = [x.clone() for _ in sites]
+        for r, s in enumerate(sites):
+            s.reduce_into(xs[r], 0)
+        x1 = [t.clone() for t in xs]
+        h = [fl.fused_linear(xs[r], gate_r(r), norm_w=nw, eps=eps, gate=True) for r in range(R)]
+        for r, s in enumerate(sites):  # down projection partials (site 1)
+            fl.fused_linear(h[r], w2[:, r * I:(r + 1) * I].contiguous(), push=s.push(1))
+        for r, s in enumerate(sites):
+            s.reduce_into(xs[r], 1)
+        same = same and all(torch.equal(x1[0], a) and torch.equal(xs[0], b) for a, b in zip(x1, xs))
+        scale = float(ref2.float().abs().max())
+        err = max(err, float((x1[0].float() - ref1.float()).abs().max()) / scale,
+                  float((xs[0].float() - ref2.float()).abs().max()) / scale)
+        wrong = max(wrong, float((x1[0].float() - short.float()).abs().max()) / scale)
+        x = xs[0]
+    counters_ok = all(s.counters[:2].tolist() == [3 * R] * 2 and int(s.epoch) == 3 and not s.tickets.any()
+                      for s in sites)
+    return {"err": err, "tol": TOL["bfloat16"], "negative_control": wrong, "ok": same and counters_ok and wrong > 0.1}
+
+
 def fused_graph_case(torch, case: str) -> dict:
     """A tiny bf16 model's static path with the fused layer against the unfused static path (same kernels
     otherwise) and the eager runner: logits within bf16 tolerance of the largest logit, the fused layer used.
@@ -236,6 +293,7 @@ def main() -> int:
     runs += [(c, lambda: graph_case(torch)) for c in GRAPH_CASES]
     runs += [(c[0], lambda c=c: fused_case(torch, fl, *c[1:])) for c in FUSED_CASES]
     runs += [(c, lambda c=c: fused_graph_case(torch, c)) for c in FUSED_GRAPH_CASES]
+    runs += [(c[0], lambda c=c: tp_fused_case(torch, fl, *c[1:])) for c in TP_FUSED_CASES]
     for case_id, fn in runs:
         try:
             results[case_id] = fn()

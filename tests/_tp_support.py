@@ -169,6 +169,12 @@ def compare_ranks(rank: int, world_size: int, init: str, models: dict[str, str],
         driven(lambda: graph_runner.append(tensor_parallel_graphs(load_tensor_parallel_model(models[first], tp),
                                                                   static)) or graph_runner[0], "graphs")
         results["graph_calls"] = graph_runner[0].stats.graph_calls
+        for kind in ("fused", "ring"):  # refused before any collective: the fused layer needs CUDA; no such kind
+            try:
+                tensor_parallel_graphs(graph_runner[0].runner, static, kind)
+                results[f"refused_{kind}"] = None
+            except ValueError as err:
+                results[f"refused_{kind}"] = str(err)
 
     # The follower is lost: rank 0's next call must fail (not hang) and break the group for good.
     runner = load_tensor_parallel_model(models[first], tp)

@@ -156,6 +156,9 @@ def test_driven_mode_and_the_static_graph_path_equal_tp1(run2, references):
         pytest.skip("pipeline/models/graphs.py is not in this checkout")
     _assert_same(run2["results"]["graphs"], want, "graphs")
     assert run2["results"]["graph_calls"] >= 12  # the verify call and the decode steps took the static path
+    # allreduce="fused" needs the fused layer (CUDA, bf16): refused with the reason on CPU; unknown kinds too
+    assert "needs the fused layer" in run2["results"]["refused_fused"]
+    assert "allreduce must be one of" in run2["results"]["refused_ring"]
     # a call after an idle gap longer than the control timeout (heartbeats kept the follower waiting)
     ref_runner = references["llama"][1]
     after = ref_runner.forward(torch.tensor([[1, 2]]), torch.tensor([0]), torch.tensor([3]))

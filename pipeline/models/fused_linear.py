@@ -138,10 +138,22 @@ def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return w8.contiguous(), scale.contiguous()
 
 
+@dataclass(frozen=True)
+class Push:
+    """Tensor parallel, a producer: the float32 result goes into slot `rank` of every rank's `parts` of a site
+    (peer memory); once every program has written, each rank's counter of the site grows by 1."""
+    peer_parts: torch.Tensor  # [R] int64: the address of each rank's `parts` [R, rows, C] of the site
+    peer_counters: torch.Tensor  # [R] int64: the address of each rank's counter of the site
+    ticket: torch.Tensor  # [1] int32, this rank's, 0 between launches: the programs that have pushed
+    rank: int
+    rows: int  # `parts`' row capacity (its rank stride is rows * C)
+
+
 def _launch(x: torch.Tensor, M: int, K: int, row: tuple[int, int, int], col: tuple[int, int],
             w: torch.Tensor, bias: Optional[torch.Tensor], norm_w: Optional[torch.Tensor], eps: float, gate: bool,
             residual: Optional[torch.Tensor], out: Optional[torch.Tensor], use_pdl: bool,
-            config: Optional[FusedConfig], w_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+            config: Optional[FusedConfig], w_scale: Optional[torch.Tensor] = None,
+            push: Optional[Push] = None) -> torch.Tensor:
     from pipeline.models import fused_linear_triton as kern
 
     assert w.shape[1] == K and w.stride(1) == 1, f"w must be [N, {K}] with unit column stride, got {tuple(w.shape)}"
@@ -152,29 +164,32 @@ def _launch(x: torch.Tensor, M: int, K: int, row: tuple[int, int, int], col: tup
     if x.device.type != "cuda" and not kern.interpreted():
         raise RuntimeError("fused_linear on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
                            "before triton is first imported")
+    assert push is None or (not gate and residual is None and M <= push.rows), "push: a plain linear of few rows"
     if out is None:
-        out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    assert out.shape == (M, N) and out.stride(1) == 1, (tuple(out.shape), (M, N))
-    if residual is not None:
-        assert residual.shape == (M, N) and residual.stride(1) == 1, (tuple(residual.shape), (M, N))
+        out = torch.empty(M, N, dtype=x.dtype, device=x.device) if push is None else x.new_empty(0)
+    assert push is not None or (out.shape == (M, N) and out.stride(1) == 1), (tuple(out.shape), (M, N))
     c = config or config_for(x, M, N, K, w, bias, norm_w, gate, residual, w_scale)
     rows = N * (2 if gate else 1)
     chunks, pf, pf_step = _prefetch_plan(w, rows, K, c.block_n, c.num_warps) if use_pdl else (1, 0, 0)
     XT, s_xb, s_xt = row
     XD, s_xj = col
-    dummy = out
+    dummy = x
     kern.fused_linear_kernel[(-(-N // c.block_n),)](
         x, norm_w if norm_w is not None else dummy, w, w_scale if w_scale is not None else dummy,
         bias if bias is not None else dummy,
         residual if residual is not None else dummy, out,
+        push.peer_parts if push is not None else dummy, push.peer_counters if push is not None else dummy,
+        push.ticket if push is not None else dummy,
         M, N, K, N if gate else 0, XT, pf, pf_step,
-        s_xb, s_xt, s_xj, w.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
+        s_xb, s_xt, s_xj, w.stride(0), residual.stride(0) if residual is not None else 0,
+        out.stride(0) if push is None else 0, N, push.rank * push.rows * N if push is not None else 0,
         float(eps),
         XD=XD, M_PAD=m_pad(M), BLOCK_N=c.block_n, BLOCK_K=c.block_k, NORM=norm_w is not None, GATE=gate,
         RESIDUAL=residual is not None, HAS_BIAS=bias is not None, HAS_SCALE=w_scale is not None,
         EVEN_K=K % c.block_k == 0,
         USE_PDL=use_pdl, PREFETCH=pf > 0, PF_CHUNKS=chunks, LATE_TRIGGER=LATE_TRIGGER,
         DOT_IN_F32=kern.interpreted() and x.dtype == torch.bfloat16,
+        PUSH=push is not None, N_RANKS=push.peer_parts.shape[0] if push is not None else 1,
         num_warps=c.num_warps, num_stages=c.num_stages, **launch_kwargs(use_pdl),
     )
     return out
@@ -193,11 +208,12 @@ def fused_linear(
     use_pdl: bool = False,
     config: Optional[FusedConfig] = None,
     w_scale: Optional[torch.Tensor] = None,  # [rows of w] float32, with float8 w (quantize_fp8)
+    push: Optional[Push] = None,  # tensor parallel: send the result to every rank's partials of a site, not to out
 ) -> torch.Tensor:
     M, K = x.shape
     assert x.stride(1) == 1, "x needs unit column stride"
     return _launch(x, M, K, (1, x.stride(0), 0), (1, 1), w, bias, norm_w, eps, gate, residual, out, use_pdl, config,
-                   w_scale)
+                   w_scale, push)
 
 
 def fused_linear_heads(
@@ -211,12 +227,13 @@ def fused_linear_heads(
     use_pdl: bool = False,
     config: Optional[FusedConfig] = None,
     w_scale: Optional[torch.Tensor] = None,
+    push: Optional[Push] = None,
 ) -> torch.Tensor:  # [B*T, N]: linear(y as [B, T, H*D]), without the permute's copy
     B, Hkv, GT, D = y.shape
     assert y.is_contiguous() and GT % T == 0, (tuple(y.shape), T)
     K = Hkv * GT // T * D
     return _launch(y, B * T, K, (T, y.stride(0), D), (D, T * D), w, bias, None, 0.0, False, residual, out,
-                   use_pdl, config, w_scale)
+                   use_pdl, config, w_scale, push)
 
 
 # ----------------------------------------------------------------------------------------------------

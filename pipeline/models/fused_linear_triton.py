@@ -20,6 +20,11 @@ per BLOCK_N output columns over the whole depth K (no split, so the epilogue see
   product, and each column's sum is multiplied by its row's scale before the bias. Half the weight bytes: for
   drafters (`quantize_fp8`), whose precision changes only how often drafts are accepted, never the output.
 
+- PUSH (tensor parallel, `pipeline.models.tp_fused`): the float32 result (bias included, unrounded) goes not
+  to y but to this rank's slot of every rank's partial buffer of a site (peer memory); the last program to
+  finish then adds 1 to every rank's counter of the site. `reduce_partials_kernel` is the other half: it waits
+  for the counter and adds the ranks' partials to the residual stream in rank order.
+
 USE_PDL: programmatic dependent launch (`pipeline.models.pdl`): wait for the previous kernel before touching x,
 res or y; let the next kernel launch after the K loop (LATE_TRIGGER) or right after the wait. With PREFETCH,
 before waiting, a program asks L2 to prefetch PF_CHUNKS x PF_BYTES of each of its weight rows
@@ -46,8 +51,10 @@ def _prefetch_rows_l2(ptrs, nbytes):
 @triton.jit
 def fused_linear_kernel(
     X, NORM_W, W, W_SCALE, BIAS, RES, Y,
+    PEER_PARTS, PEER_COUNTERS, TICKET,
     M, N, K, N_UP, XT, PF_BYTES, PF_STEP,
     s_xb, s_xt, s_xj, s_wn, s_rm, s_ym,
+    s_pm, my_part,
     eps,
     XD: tl.constexpr,
     M_PAD: tl.constexpr,
@@ -64,6 +71,8 @@ def fused_linear_kernel(
     PF_CHUNKS: tl.constexpr,  # BLOCK_N * PF_CHUNKS = the program's threads: one prefetch each, none repeated
     LATE_TRIGGER: tl.constexpr,  # with USE_PDL: let the next kernel launch after the K loop, not at the start
     DOT_IN_F32: tl.constexpr,  # interpreter + bf16 only: Triton 3.6's interpreter multiplies bf16 as raw bits
+    PUSH: tl.constexpr,  # tensor parallel: the float32 result goes to every rank's partials of a site, not to Y
+    N_RANKS: tl.constexpr,
 ):
     DT = X.dtype.element_ty  # the model's activation dtype: products and roundings in it
     pid = tl.program_id(0)
@@ -161,7 +170,68 @@ def fused_linear_kernel(
     if RESIDUAL:
         res = tl.load(RES + offs_m[:, None] * s_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
         out = res + out
-    tl.store(Y + offs_m[:, None] * s_ym + offs_n[None, :], out.to(Y.dtype.element_ty), mask=mask)
+    if PUSH:  # this rank's partial, unrounded, into its slot of every rank's partials; then count it there
+        for r in tl.static_range(N_RANKS):
+            dst = tl.load(PEER_PARTS + r).to(tl.pointer_type(tl.float32)) + my_part
+            tl.store(dst + offs_m[:, None] * s_pm + offs_n[None, :], acc, mask=mask)
+        tl.debug_barrier()  # every thread's stores are issued before the release below
+        # One signal per rank and site, not one per program: many programs' atomics on one remote address
+        # serialise over NVLink (about 7 us more a site at 4 ranks, H200). Each program takes a ticket on this
+        # GPU (its release covers its peer stores); the last one resets it and adds 1 to every rank's counter.
+        ticket = tl.atomic_add(TICKET, 1, sem="acq_rel", scope="sys")
+        if ticket == tl.num_programs(0) - 1:
+            tl.atomic_xchg(TICKET, 0, sem="relaxed", scope="gpu")  # no program of this launch takes one again
+            for r in tl.static_range(N_RANKS):
+                tl.atomic_add(tl.load(PEER_COUNTERS + r).to(tl.pointer_type(tl.int64)), 1,
+                              sem="release", scope="sys")
+    else:
+        tl.store(Y + offs_m[:, None] * s_ym + offs_n[None, :], out.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _trap():
+    """Abort the kernel: the process's CUDA context fails, and with it the process's next CUDA call."""
+    tl.inline_asm_elementwise("trap; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def bump_epoch_kernel(EPOCH):
+    """EPOCH += 1: the start of a tensor-parallel fused forward (no PDL: the previous forward has finished)."""
+    tl.store(EPOCH, tl.load(EPOCH) + 1)
+
+
+@triton.jit
+def reduce_partials_kernel(
+    X, PARTS, COUNTER, EPOCH,
+    M, C, s_xm, s_pr, s_pm, per_epoch, spin_ns,
+    N_RANKS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    SPIN_LIMIT: tl.constexpr,
+):
+    """Tensor parallel: X[m, :] += the N_RANKS partials of a site (float32, summed in rank order, one rounding),
+    in place, once COUNTER shows every rank's push of this epoch (pipeline.models.tp_fused)."""
+    DT = X.dtype.element_ty
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    ok = cols < C
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+    want = tl.load(EPOCH) * per_epoch
+    if SPIN_LIMIT:
+        t0 = tl.extra.cuda.globaltimer()
+        while tl.atomic_add(COUNTER, 0, sem="acquire", scope="sys") < want:
+            if tl.extra.cuda.globaltimer() - t0 > spin_ns:
+                _trap()
+    else:
+        while tl.atomic_add(COUNTER, 0, sem="acquire", scope="sys") < want:
+            pass
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    for m in range(M):
+        acc = tl.load(X + m * s_xm + cols, mask=ok, other=0.0).to(tl.float32)
+        for r in tl.static_range(N_RANKS):
+            acc += tl.load(PARTS + r * s_pr + m * s_pm + cols, mask=ok, other=0.0, cache_modifier=".cg")
+        tl.store(X + m * s_xm + cols, acc.to(DT), mask=ok)
 
 
 def interpreted() -> bool:
@@ -173,3 +243,4 @@ if interpreted():  # the K loops' data-dependent bounds need the interpreter fix
     from pipeline.models.decode_attention_triton import _interpreter_scalar_index
 
     _interpreter_scalar_index()
+

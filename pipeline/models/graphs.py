@@ -263,6 +263,7 @@ class GraphCausalLM:
             self._qkv_proj = torch.compile(qkv_proj, fullgraph=True)
             self._attn_out_mlp = torch.compile(attn_out_mlp, fullgraph=True)
             self._final_logits = torch.compile(final_logits, fullgraph=True)
+        self._tp_sites = None  # tensor parallel: pipeline.models.tp_fused.SiteBuffers (set by tensor_parallel_graphs)
         self._bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._outs: dict[tuple[int, int], torch.Tensor] = {}  # (Bb, Tb) -> static logits, shared by every Sb
         if runner.num_slots > 0:
@@ -436,13 +437,22 @@ class GraphCausalLM:
     def _fused_forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, S: int,
                        out: torch.Tensor) -> None:
         """`_static_forward` as the fused layer (pipeline.models.fused_linear): seven Triton kernels a layer,
-        chained with programmatic dependent launch where available; the residual stream is updated in place."""
+        chained with programmatic dependent launch where available; the residual stream is updated in place.
+        Tensor parallel with `_tp_sites` (pipeline.models.tp_fused): the output and down projections push their
+        partials to every rank instead of adding them, and one small kernel each adds every rank's partials."""
         a, r = self.args, self.runner
         B, T = tokens.shape
         eps, p = a.norm_eps, self.use_pdl
+        tp = self._tp_sites
         pos = positions[:, None] + self._arange[:T]  # [B, T]
         scale = 1.0 / math.sqrt(a.head_dim)
+        if tp is not None:
+            tp.begin()
         x = r.model.tok_embeddings(tokens).view(B * T, -1)  # [B*T, C], a fresh tensor: updated in place
+
+        def add_to_x(site: int) -> dict:  # x += this linear's result (TP: pushed as `site`'s partial, see below)
+            return {"push": tp.push(site)} if tp is not None else {"residual": x, "out": x}
+
         for i, (w, k_cache, v_cache) in enumerate(zip(self._layers, r.k_caches, r.v_caches)):
             q8 = self._fp8[i] if self._fp8 else {}
             mat = lambda name: q8.get(name, (getattr(w, name), None))  # noqa: E731 - (weight, float8 row scales)
@@ -452,11 +462,15 @@ class GraphCausalLM:
                                   use_pdl=p)
             y = triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, a.sliding_window, use_pdl=p)
             wo, s_o = mat("wo")
-            fl.fused_linear_heads(y, T, wo, w.bo, residual=x, out=x, use_pdl=p, w_scale=s_o)
+            fl.fused_linear_heads(y, T, wo, w.bo, use_pdl=p, w_scale=s_o, **add_to_x(2 * i))
+            if tp is not None:
+                tp.reduce_into(x, 2 * i, p)
             w13, s_13 = mat("w13")
             h = fl.fused_linear(x, w13, w.b13, norm_w=w.ffn_norm, eps=eps, gate=True, use_pdl=p, w_scale=s_13)
             w2, s_2 = mat("w2")
-            fl.fused_linear(h, w2, w.b2, residual=x, out=x, use_pdl=p, w_scale=s_2)
+            fl.fused_linear(h, w2, w.b2, use_pdl=p, w_scale=s_2, **add_to_x(2 * i + 1))
+            if tp is not None:
+                tp.reduce_into(x, 2 * i + 1, p)
         m = r.model
         w_out, s_out = self._fp8_out or (m.output.weight, None)
         fl.fused_linear(x, w_out, norm_w=m.norm.weight, eps=eps, out=out.view(B * T, -1), use_pdl=p, w_scale=s_out)

@@ -568,11 +568,15 @@ def tensor_parallel_graphs(runner: LlamaCausalLM, config: Any = None, allreduce:
     way, so captures happen in lockstep). The graph path calls its attention-output/MLP math on raw weights,
     bypassing the modules' all_reduce hooks: that function is swapped for one with the two all-reduces
     (`pipeline.models.tp_allreduce`, `allreduce` = auto | nccl | symm; the wrapper's `allreduce` attribute
-    says what it resolved to). Its static logits come from the local output rows; they are gathered here,
-    after the graph (one all_gather per call). The embedding module does its own all_reduce inside the graph."""
+    says what it resolved to). With `allreduce="fused"` the fused layer serves calls of up to 16 rows instead,
+    pushing its partial sums from its linears' epilogues (`pipeline.models.tp_fused`); larger calls take the
+    swapped math with the "auto" reducer. Its static logits come from the local output rows; they are gathered
+    here, after the graph (one all_gather per call). The embedding module does its own all_reduce inside the graph."""
+    from pipeline.models import fused_linear as fl
     from pipeline.models import graphs
     from pipeline.models.skinny_linear import linear
-    from pipeline.models.tp_allreduce import make_reducer
+    from pipeline.models.tp_allreduce import ALLREDUCE_KINDS, make_reducer
+    from pipeline.models.tp_fused import setup_fused_allreduce
 
     plan: ShardPlan = runner.model.shard_plan
     group = runner.model.output.group
@@ -590,7 +594,19 @@ def tensor_parallel_graphs(runner: LlamaCausalLM, config: Any = None, allreduce:
         __call__ = forward
 
     g = TensorParallelGraphs(runner, config)
-    g.fused_layer = False  # the fused layer has no all-reduce between its linears: the swapped math below serves
+    if allreduce not in ALLREDUCE_KINDS:
+        raise ValueError(f"allreduce must be one of {ALLREDUCE_KINDS}, got {allreduce!r}")
+    # "fused": the fused layer pushes its partial sums to every rank from its linears' epilogues
+    # (pipeline.models.tp_fused); opt-in: on par with "symm" on 4 H100s, slower at TP=4 on H200s. Otherwise the
+    # fused layer is off and the swapped math below, with an all-reduce kernel (`make_reducer`), serves every call.
+    fused = allreduce == "fused"
+    if fused and not g.fused_layer:
+        raise ValueError("allreduce='fused' needs the fused layer: a CUDA model in bf16/fp16 with the Triton attention")
+    if fused:
+        g._tp_sites = setup_fused_allreduce(group, runner.device, fl.LAYER_MAX_ROWS, runner.args.dim,
+                                            2 * runner.args.n_layers, runner.dtype)
+    else:
+        g.fused_layer = False  # the fused layer has no all-reduce between its linears: the swapped math below serves
 
     def attn_proj(y: torch.Tensor, wo: torch.Tensor, bo: Optional[torch.Tensor], T: int, lk: str) -> torch.Tensor:
         B, Hkv, GT, D = y.shape  # [B, Hkv, G*T, D] -> [B, T, H*D] (query index g*T + t)
@@ -604,7 +620,9 @@ def tensor_parallel_graphs(runner: LlamaCausalLM, config: Any = None, allreduce:
     if g._attn_in is not graphs.attn_in:  # the wrapper compiles its pointwise work: compile ours too
         attn_proj, mlp = (torch.compile(f, fullgraph=True) for f in (attn_proj, mlp))
 
-    reduce, g.allreduce = make_reducer(allreduce, group, runner.device, runner.dtype)
+    reduce, kind = make_reducer("auto" if allreduce == "fused" else allreduce, group, runner.device, runner.dtype)
+    g.allreduce = "fused" if fused else kind  # calls the fused layer does not take (past 16 rows) use `kind`
+    g.allreduce_unfused = kind
 
     def attn_out_mlp(x, y, wo, bo, norm_w, w13, b13, w2, b2, eps, lk: str = "torch"):  # [B, T, C]
         x = x + reduce(attn_proj(y, wo, bo, x.shape[1], lk))

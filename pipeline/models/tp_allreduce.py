@@ -10,6 +10,10 @@ batch 1): the cost is latency, not bandwidth. Kinds:
   Only peer-to-peer reads are used; never NVLink multicast. Inputs past `max_bytes` (large prefill chunks),
   of another dtype, or not a whole number of 16-byte vectors go to NCCL.
 - "auto": "symm" on CUDA where symmetric memory sets up and passes a self-test at start, else "nccl" (said once).
+
+`tensor_parallel.tensor_parallel_graphs` also takes "fused" (opt-in, `pipeline.models.tp_fused`): the fused
+layer's linears push their partials to every rank from their epilogues. It is not a reducer of this module;
+calls the fused layer does not take use the "auto" reducer from here.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-ALLREDUCE_KINDS = ("auto", "nccl", "symm")
+ALLREDUCE_KINDS = ("auto", "nccl", "symm", "fused")  # "fused": pipeline.models.tp_fused (the graph path)
 Reducer = Callable[[torch.Tensor], torch.Tensor]  # partial sums -> the sum over ranks (maybe the same tensor)
 
 
@@ -76,8 +80,8 @@ class SymmetricOneShot:
 def make_reducer(kind: str, group: Any, device: torch.device, dtype: torch.dtype,
                  max_bytes: int = 512 << 10) -> tuple[Reducer, str]:
     """(reducer, the kind it resolved to). 'symm' that cannot set up raises; 'auto' falls back to 'nccl'."""
-    if kind not in ALLREDUCE_KINDS:
-        raise ValueError(f"allreduce must be one of {ALLREDUCE_KINDS}, got {kind!r}")
+    if kind not in ALLREDUCE_KINDS or kind == "fused":
+        raise ValueError(f"a reducer's kind must be auto, nccl or symm, got {kind!r} ('fused' is the graph path's)")
     device = torch.device(device)
     if kind == "symm" and device.type != "cuda":
         raise ValueError(f"allreduce='symm' needs CUDA tensors; the model is on {device}")

@@ -1,0 +1,185 @@
+"""A tensor-parallel all-reduce whose send is the producing linear's epilogue (`allreduce="fused"`).
+
+A sharded Llama layer sums two partial results over the ranks: the output projection's and the down
+projection's (row-parallel). The default graph path (`tp_allreduce`, "symm") copies each partial into a
+symmetric-memory buffer and runs PyTorch's one-shot all-reduce kernel, then adds the residual: about 10 us a
+sum at batch 1 on an H100. Here:
+
+- the producer (`fused_linear(..., push=)`, the fused layer's output and down projections) writes its float32
+  partial straight into slot `rank` of every rank's buffer of that *site* (peer memory over NVLink, PyTorch
+  symmetric memory, never multicast); the last of its programs to finish (a ticket on this GPU) then adds 1
+  to every rank's counter of the site (release, system scope). One remote atomic per rank and site: one per
+  program, all on one address, measured about 7 us more a site at 4 ranks (H200);
+- `reduce_into` (one small kernel) waits until this rank's counter of the site reaches `epoch * ranks`
+  (acquire), then adds the ranks' partials to the residual stream in place, summed in float32 in rank order
+  and rounded once, so every rank holds the same bits. The next fused linear reads it as usual.
+
+So a sum costs one small kernel instead of a copy and an all-reduce kernel. Measured (BENCHMARKS.md, issue 6,
+Llama-3-8B shape, batch-1 decode, "fused" against "symm" in the same processes):
+- 4x H100: TP=2 4.18 vs 4.32 ms a step (3% faster), TP=4 3.14 vs 3.14 ms (equal);
+- 4x H200: TP=2 3.37 vs 3.42 ms, TP=4 3.49 vs 2.66 ms (31% slower: at 4 ranks the fused layer's few-column
+  linears leave SMs idle where the unfused path's split-K linears do not).
+It is therefore opt-in (`tensor_parallel_graphs(..., allreduce="fused")`), not what "auto" picks. Summing the
+partials inside the next linear's RMSNorm prologue instead (no kernel at all) was slower still on the H200s
+(3.81 and 4.27 ms): every program of that linear has to read every rank's partial before its first weight tile.
+
+Site s of a step: 2i is layer i's output projection, 2i+1 its down projection. `epoch` counts forwards
+(`begin()`, a one-thread kernel at the start of each); counters only grow (int64), so nothing is reset
+between steps or CUDA graph replays. Every forward must therefore push and reduce every site once (`reset()`
+after anything else, like `self_test`). Two partial buffers (even and odd sites) are enough: rank A writes
+site s+2's partials only after its reduce of s+1 saw every rank's s+1 partials, which each rank pushed only
+after its reduce of s had finished (every kernel waits for its predecessor before it writes).
+
+A rank that dies mid-step must not leave its peers' GPUs spinning: `reduce_into` gives up after
+`SPECSERVE_TP_SPIN_TIMEOUT_S` (default 120 s) and traps, which fails that process's CUDA context and with it the
+replica (seen on 4 H200s: a wrong count made all four ranks exit, none hung).
+
+Ranks must run the same sequence of fused forwards (the SPMD lockstep the tensor-parallel runner keeps). The
+layout and the protocol are tested on CPU under Triton's interpreter with the ranks simulated in one process
+(tests/test_graph_kernels.py); across GPUs by `self_test` at start and `ops/tp_bench.py` (logits against TP=1).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import torch
+
+from pipeline.models.fused_linear import Push
+
+_ALIGN = 256
+# How long `reduce_into` waits for the other ranks' partials before it gives up and fails its process's CUDA
+# context: a rank that died mid-step must not leave its peers' GPUs spinning for ever. Generous: a peer's first
+# call of a shape may compile and tune kernels in between.
+SPIN_TIMEOUT_S = float(os.environ.get("SPECSERVE_TP_SPIN_TIMEOUT_S", "120"))
+
+
+class SiteBuffers:
+    """One rank's view of the partial buffers and counters of every site (see the module doc).
+
+    `buf`: this rank's block of `SiteBuffers.nbytes(...)` bytes, zeroed, in memory every rank can write
+    (symmetric memory; plain memory for tests); `bases`: every rank's block address, in rank order."""
+
+    def __init__(self, buf: torch.Tensor, bases: Sequence[int], rank: int, rows: int, hidden: int,
+                 n_sites: int) -> None:
+        R = len(bases)
+        assert 0 <= rank < R and buf.dtype == torch.uint8 and buf.numel() >= self.nbytes(R, rows, hidden, n_sites)
+        self.rank, self.n_ranks, self.rows, self.hidden, self.n_sites = rank, R, rows, hidden, n_sites
+        part_bytes = R * rows * hidden * 4
+        cnt_off = _round_up(2 * part_bytes)
+        self.parts = buf[: 2 * part_bytes].view(torch.float32).view(2, R, rows, hidden)
+        self.counters = buf[cnt_off : cnt_off + 8 * n_sites].view(torch.int64)
+        dev = buf.device
+        self.epoch = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.tickets = torch.zeros(n_sites, dtype=torch.int32, device=dev)  # this rank's producers' programs
+        self._peer_parts = [torch.tensor([b + p * part_bytes for b in bases], dtype=torch.int64, device=dev)
+                            for p in range(2)]
+        self._peer_counters = torch.tensor([[b + cnt_off + 8 * s for b in bases] for s in range(n_sites)],
+                                           dtype=torch.int64, device=dev)
+
+    @staticmethod
+    def nbytes(n_ranks: int, rows: int, hidden: int, n_sites: int) -> int:
+        return _round_up(2 * n_ranks * rows * hidden * 4) + 8 * n_sites
+
+    def begin(self) -> None:
+        """Start a forward: epoch += 1 (one kernel, ordinary stream order)."""
+        from pipeline.models import fused_linear_triton as kern
+
+        kern.bump_epoch_kernel[(1,)](self.epoch)
+
+    def reset(self, group: Any = None) -> None:
+        """Counters and epoch back to 0, on every rank of `group` at once (collective; no forward in flight)."""
+        import torch.distributed as dist
+
+        self.counters.zero_()
+        self.tickets.zero_()
+        self.epoch.zero_()
+        if self.epoch.is_cuda:
+            torch.cuda.synchronize(self.epoch.device)
+        if dist.is_initialized():
+            dist.barrier(group=group)  # no rank pushes into a block that is not yet zeroed
+
+    def push(self, site: int) -> Push:
+        assert 0 <= site < self.n_sites, site
+        return Push(self._peer_parts[site % 2], self._peer_counters[site], self.tickets[site : site + 1], self.rank,
+                    self.rows)
+
+    def reduce_into(self, x: torch.Tensor, site: int, use_pdl: bool = False) -> None:
+        """x [M, C] += every rank's partial of `site`, in place, once they are all in (one small kernel)."""
+        from pipeline.models import fused_linear_triton as kern
+        from pipeline.models.pdl import launch_kwargs
+
+        M, C = x.shape
+        assert C == self.hidden and M <= self.rows and x.stride(1) == 1, (tuple(x.shape), self.hidden, self.rows)
+        parts = self.parts[site % 2]
+        block = min(1024, _next_pow2(C))
+        kern.reduce_partials_kernel[(-(-C // block),)](
+            x, parts, self.counters[site : site + 1], self.epoch,
+            M, C, x.stride(0), parts.stride(0), parts.stride(1), self.n_ranks, int(SPIN_TIMEOUT_S * 1e9),
+            N_RANKS=self.n_ranks, BLOCK_C=block, USE_PDL=use_pdl,
+            SPIN_LIMIT=SPIN_TIMEOUT_S > 0 and not kern.interpreted(), num_warps=4, **launch_kwargs(use_pdl))
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _round_up(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def symmetric_sites(group: Any, device: torch.device, rows: int, hidden: int, n_sites: int) -> SiteBuffers:
+    """`SiteBuffers` over a zeroed PyTorch symmetric-memory block (peer-to-peer access over NVLink; never
+    multicast). Collective: every rank of `group` calls it. Raises where symmetric memory is unavailable."""
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    name = (group or dist.group.WORLD).group_name
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before rendezvous in torch < 2.8
+        symm_mem.enable_symm_mem_for_group(name)
+    R = dist.get_world_size(group)
+    buf = symm_mem.empty(SiteBuffers.nbytes(R, rows, hidden, n_sites), dtype=torch.uint8, device=device)
+    handle = symm_mem.rendezvous(buf, name)
+    buf.zero_()
+    torch.cuda.synchronize(device)
+    dist.barrier(group=group)  # every block is zero before any rank pushes into it
+    return SiteBuffers(buf, list(handle.buffer_ptrs), dist.get_rank(group), rows, hidden, n_sites)
+
+
+def self_test(sites: SiteBuffers, group: Any, dtype: torch.dtype, reps: int = 2) -> None:
+    """Push small-integer partials (different on every rank, so every sum is exact) through both partial buffers
+    and reduce them into a residual stream, `reps` times: a setup whose peer writes or counters do not arrive
+    exactly is refused here, on every rank at once, not met mid-request."""
+    import torch.distributed as dist
+
+    from pipeline.models import fused_linear as fl
+
+    dev, R, C = sites.epoch.device, sites.n_ranks, sites.hidden
+    M, K = 2, 32
+    x = torch.ones(M, K, dtype=dtype, device=dev)
+    n = torch.arange(C, device=dev)[:, None]
+    k = torch.arange(K, device=dev)[None, :]
+    ok = True
+    for rep in range(reps):
+        sites.begin()
+        res = torch.arange(M * C, device=dev).remainder(5).to(dtype).view(M, C)
+        for site in (0, 1):
+            w = [((n + k + r + rep + site) % 3 - 1).to(dtype) for r in range(R)]  # [C, K] of -1, 0, 1
+            fl.fused_linear(x, w[sites.rank], push=sites.push(site))
+            want = (res.float() + sum(x.float() @ wr.float().T for wr in w)).to(dtype)
+            sites.reduce_into(res, site)
+            ok = ok and torch.equal(res, want)
+    flag = torch.tensor([0 if ok else 1], device=dev)
+    dist.all_reduce(flag, group=group)  # after every rank's reduces, hence after every push into this rank
+    if int(flag.item()):
+        raise RuntimeError(f"fused all-reduce self-test: {int(flag.item())} of {R} ranks summed wrongly")
+    sites.reset(group)  # only sites 0 and 1 were used: every site's count must match the epoch again
+
+
+def setup_fused_allreduce(group: Any, device: torch.device, rows: int, hidden: int, n_sites: int,
+                          dtype: torch.dtype = torch.bfloat16) -> SiteBuffers:
+    """`symmetric_sites`, then `self_test`: what `tensor_parallel_graphs` sets up for allreduce='fused'."""
+    sites = symmetric_sites(group, device, rows, hidden, n_sites)
+    self_test(sites, group, dtype)
+    return sites
