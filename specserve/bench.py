@@ -66,6 +66,7 @@ def run_bench(
     progress: bool = True,
     dtype: str = "float32",
     adaptive_k: bool = False,
+    draft_weights: str = "model",  # "fp8": the draft model's graph path streams float8 weights (CUDA only)
 ) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
@@ -79,15 +80,16 @@ def run_bench(
     target_path = str(resolve(target))
     torch_dtype = getattr(torch, dtype)
     model, tok = load_model(target_path, device=device, dtype=dtype)
-    config = EngineConfig(max_batch_size=1, max_seq_len=4096, device=device, dtype=dtype)
+    extra = {"draft_weights": draft_weights} if draft_weights != "model" else {}
+    config = EngineConfig(max_batch_size=1, max_seq_len=4096, device=device, dtype=dtype, extra=extra)
     drafter = build_drafter(draft, model.info, tok, device, dtype)
+    policy = AdaptiveK(max_k=k) if adaptive_k else None
+    engine = SpeculativeEngine(model, tok, drafter, config, k_policy=policy)  # refuses bad options before HF loads
     draft_model_path = draft_model_spec(draft)
     if draft_model_path is None:
         hf_assist: dict[str, Any] = {"prompt_lookup_num_tokens": k}
     else:  # HF assisted generation with the same draft model (for a hybrid: its model part)
         hf_assist = {"assistant_model": _hf_assistant(str(resolve(draft_model_path)), k, device, torch_dtype)}
-    policy = AdaptiveK(max_k=k) if adaptive_k else None
-    engine = SpeculativeEngine(model, tok, drafter, config, k_policy=policy)
     hf = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch_dtype).to(device).eval() if any(
         m.startswith("hf") for m in methods
     ) else None
@@ -140,7 +142,7 @@ def run_bench(
     bar.close()
     return {
         "machine": machine(), "date": time.strftime("%Y-%m-%d"), "target": target_path, "draft": draft,
-        "k": k, "adaptive_k": adaptive_k, "dtype": dtype, "max_tokens": max_tokens, "methods": methods, "records": records,
+        "k": k, "adaptive_k": adaptive_k, "dtype": dtype, "draft_weights": draft_weights, "max_tokens": max_tokens, "methods": methods, "records": records,
         "summary": summarize(records, methods),
     }
 

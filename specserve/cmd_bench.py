@@ -24,6 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="weights and activations of every method (engine and Hugging Face alike)")
+    p.add_argument("--draft-weights", default="model", choices=("model", "fp8"),
+                   help="fp8: the draft model's CUDA graph path streams float8 copies of its weights (half the bytes; "
+                        "acceptance may move, the output cannot). Needs --device cuda and a bf16/fp16 draft model")
     p.add_argument("--fixed-k", action="store_true",
                    help="engine-spec drafts K tokens every step (default: K adapts per step between 0 and K "
                         "from measured step costs and acceptance, as in `specserve generate`)")
@@ -51,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     result = run_bench(args.target, draft, prompts, methods, args.num_draft_tokens, args.max_tokens,
                        device=args.device, progress=not args.no_progress, dtype=args.dtype,
-                       adaptive_k=not args.fixed_k)
+                       adaptive_k=not args.fixed_k, draft_weights=args.draft_weights)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(result, indent=1))

@@ -60,12 +60,16 @@ def test_mismatched_vocabularies_are_refused_naming_both_sizes(tmp_path):
 
 
 def test_fp8_draft_weights_are_refused_where_they_cannot_apply(tmp_path):
-    """--draft-weights fp8 needs a draft model on CUDA: on the CPU, or with prompt lookup, one line and exit 1."""
+    """--draft-weights fp8 needs a draft model on CUDA: on the CPU, or with prompt lookup, one line and exit 1
+    (generate and bench)."""
     target = make_tiny_llama(tmp_path / "t", vocab_size=128)
     draft = make_tiny_llama(tmp_path / "d", vocab_size=128, hidden=32, layers=1, heads=2, kv_heads=1)
     base = ("generate", "--prompt", "hi", "--target", str(target), "--draft-weights", "fp8")
     _assert_one_line_error(_cli(*base, "--draft", str(draft)), "needs the draft model on a CUDA device")
     _assert_one_line_error(_cli(*base, "--draft", "prompt-lookup"), "applies to a draft model")
+    bench = ("bench", "--target", str(target), "--draft-weights", "fp8", "--methods", "engine-spec", "--per-category", "1",
+             "--out", str(tmp_path / "b"), "--no-progress")
+    _assert_one_line_error(_cli(*bench, "--draft", str(draft)), "needs the draft model on a CUDA device")
 
 
 @pytest.mark.slow
