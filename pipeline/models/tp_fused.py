@@ -17,8 +17,8 @@ sum at batch 1 on an H100. Here:
 So a sum costs one small kernel instead of a copy and an all-reduce kernel. Measured (BENCHMARKS.md, issue 6,
 Llama-3-8B shape, batch-1 decode, "fused" against "symm" in the same processes):
 - 4x H100: TP=2 4.18 vs 4.32 ms a step (3% faster), TP=4 3.14 vs 3.14 ms (equal);
-- 4x H200: TP=2 3.37 vs 3.42 ms, TP=4 3.49 vs 2.66 ms (31% slower: at 4 ranks the fused layer's few-column
-  linears leave SMs idle where the unfused path's split-K linears do not).
+- 4x H200: TP=2 3.37 vs 3.42 ms, TP=4 3.49 vs 2.66 ms (31% slower; most likely because at 4 ranks the fused
+  layer's few-column linears leave SMs idle, where the unfused path's tuned linears can split K; not profiled).
 It is therefore opt-in (`tensor_parallel_graphs(..., allreduce="fused")`), not what "auto" picks. Summing the
 partials inside the next linear's RMSNorm prologue instead (no kernel at all) was slower still on the H200s
 (3.81 and 4.27 ms): every program of that linear has to read every rank's partial before its first weight tile.
