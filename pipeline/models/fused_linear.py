@@ -32,6 +32,9 @@ Float8 weights (`quantize_fp8`, `GraphConfig(weights="fp8")`): a drafter's matri
 a float32 scale per row, widened to bf16 in the kernel; half the bytes. A drafter's precision moves acceptance,
 never the output. H100: 8B-sized steps 22% faster, 1B-sized 9-11% (their cost is per-kernel latency).
 
+Tensor parallel (`push=`, `pipeline.models.tp_fused`, opt-in): a row-parallel linear sends its float32 partial
+to every rank's symmetric-memory buffer from its epilogue instead of writing `out`.
+
 Configuration: one program owns BLOCK_N output columns over the whole depth (no split-K: the epilogue needs
 the finished sum). `config_for` times a few (BLOCK_N, BLOCK_K) candidates once per shape on CUDA, with L2
 flushed, during the graph warm-up (like `skinny_linear`'s "auto"); elsewhere it takes `default_config`.
