@@ -217,14 +217,11 @@ def reduce_partials_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
     want = tl.load(EPOCH) * per_epoch
-    if SPIN_LIMIT:
-        t0 = tl.extra.cuda.globaltimer()
-        while tl.atomic_add(COUNTER, 0, sem="acquire", scope="sys") < want:
+    t0 = tl.extra.cuda.globaltimer() if SPIN_LIMIT else 0  # the interpreter has no timer
+    while tl.atomic_add(COUNTER, 0, sem="acquire", scope="sys") < want:
+        if SPIN_LIMIT:
             if tl.extra.cuda.globaltimer() - t0 > spin_ns:
                 _trap()
-    else:
-        while tl.atomic_add(COUNTER, 0, sem="acquire", scope="sys") < want:
-            pass
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     for m in range(M):
@@ -243,4 +240,3 @@ if interpreted():  # the K loops' data-dependent bounds need the interpreter fix
     from pipeline.models.decode_attention_triton import _interpreter_scalar_index
 
     _interpreter_scalar_index()
-

@@ -594,8 +594,9 @@ def tensor_parallel_graphs(runner: LlamaCausalLM, config: Any = None, allreduce:
         __call__ = forward
 
     g = TensorParallelGraphs(runner, config)
-    if allreduce not in ALLREDUCE_KINDS:
-        raise ValueError(f"allreduce must be one of {ALLREDUCE_KINDS}, got {allreduce!r}")
+    kinds = ALLREDUCE_KINDS + ("fused",)
+    if allreduce not in kinds:
+        raise ValueError(f"allreduce must be one of {kinds}, got {allreduce!r}")
     # "fused": the fused layer pushes its partial sums to every rank from its linears' epilogues
     # (pipeline.models.tp_fused); opt-in: on par with "symm" on 4 H100s, slower at TP=4 on H200s. Otherwise the
     # fused layer is off and the swapped math below, with an all-reduce kernel (`make_reducer`), serves every call.
@@ -622,7 +623,6 @@ def tensor_parallel_graphs(runner: LlamaCausalLM, config: Any = None, allreduce:
 
     reduce, kind = make_reducer("auto" if allreduce == "fused" else allreduce, group, runner.device, runner.dtype)
     g.allreduce = "fused" if fused else kind  # calls the fused layer does not take (past 16 rows) use `kind`
-    g.allreduce_unfused = kind
 
     def attn_out_mlp(x, y, wo, bo, norm_w, w13, b13, w2, b2, eps, lk: str = "torch"):  # [B, T, C]
         x = x + reduce(attn_proj(y, wo, bo, x.shape[1], lk))

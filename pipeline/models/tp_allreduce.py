@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-ALLREDUCE_KINDS = ("auto", "nccl", "symm", "fused")  # "fused": pipeline.models.tp_fused (the graph path)
+ALLREDUCE_KINDS = ("auto", "nccl", "symm")
 Reducer = Callable[[torch.Tensor], torch.Tensor]  # partial sums -> the sum over ranks (maybe the same tensor)
 
 
@@ -80,8 +80,8 @@ class SymmetricOneShot:
 def make_reducer(kind: str, group: Any, device: torch.device, dtype: torch.dtype,
                  max_bytes: int = 512 << 10) -> tuple[Reducer, str]:
     """(reducer, the kind it resolved to). 'symm' that cannot set up raises; 'auto' falls back to 'nccl'."""
-    if kind not in ALLREDUCE_KINDS or kind == "fused":
-        raise ValueError(f"a reducer's kind must be auto, nccl or symm, got {kind!r} ('fused' is the graph path's)")
+    if kind not in ALLREDUCE_KINDS:
+        raise ValueError(f"allreduce must be one of {ALLREDUCE_KINDS}, got {kind!r}")
     device = torch.device(device)
     if kind == "symm" and device.type != "cuda":
         raise ValueError(f"allreduce='symm' needs CUDA tensors; the model is on {device}")
