@@ -70,6 +70,13 @@ class StepBatcher:
             del self._last_seen[key]  # (also bounds the table when wait_ms is 0 and _expected never runs)
         return len(self._last_seen)
 
+    async def run_in_worker(self, fn: Callable[[], Any]) -> Any:
+        """Run fn on the thread that runs the passes, so never while a pass runs: for changes to state the passes
+        read (a released request's slot, its cached context). Done on the event loop instead, a release that lands
+        during a pass for that request tore its entries out from under it (a KeyError in the drafter, seen in
+        CI under autoscaling load)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
     def forget(self, key: str) -> None:
         """The request finished here: stop expecting calls from it."""
         self._last_seen.pop(key, None)

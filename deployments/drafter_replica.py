@@ -81,6 +81,10 @@ class DrafterWorker:
     async def release(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             self.batcher.forget(rid)
+        await self.batcher.run_in_worker(lambda: self._release(request_ids))  # between passes, never during one
+
+    def _release(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
             self._ctx.pop(rid, None)
             self.drafter.release(rid)
 

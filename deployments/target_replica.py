@@ -113,6 +113,10 @@ class TargetWorker:
     async def release(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             self.batcher.forget(rid)
+        await self.batcher.run_in_worker(lambda: self._release(request_ids))  # between passes, never during one
+
+    def _release(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
             self._prefilling.pop(rid, None)
             slot = self._slots.pop(rid, None)
             self._fed.pop(rid, None)

@@ -418,6 +418,36 @@ def test_step_batcher_requeues_unfinished_rows_first():
     assert "short" in passes[1]  # a running request steps while the long prompt is still prefilling
 
 
+def test_step_batcher_runs_state_changes_between_passes_never_during_one():
+    """A worker's release changes state its passes read: it must wait for the running pass (the race that lost
+    two requests to a KeyError in the drafter under autoscaling load)."""
+    import threading
+    import time
+
+    from deployments.batching import StepBatcher
+
+    events: list[str] = []
+    started = threading.Event()
+
+    def run(rows):
+        events.append("pass start")
+        started.set()
+        time.sleep(0.2)
+        events.append("pass end")
+        return rows
+
+    async def scenario():
+        b = StepBatcher(run, max_batch=4)
+        step = asyncio.ensure_future(b.submit("r", "row"))
+        while not started.is_set():
+            await asyncio.sleep(0.005)
+        await b.run_in_worker(lambda: events.append("release"))
+        return await step
+
+    assert asyncio.run(scenario()) == "row"
+    assert events == ["pass start", "pass end", "release"]
+
+
 def test_embedded_redis_outlives_its_starting_thread_and_dies_with_its_process():
     import subprocess
     import sys
