@@ -34,6 +34,7 @@ GRAPH_CASES = ["graph-linear-triton"]
 FUSED_CASES = [
     ("fused-norm-M1", "norm", 1, 40, 96, False),
     ("fused-norm-bias-M5-ragged-k", "norm", 5, 33, 100, True),
+    ("fused-norm-eager-roundings-M5", "norm-eager", 5, 40, 96, False),
     ("fused-gate-norm-M3", "gate", 3, 24, 128, True),
     ("fused-residual-M17-pad32", "residual", 17, 48, 64, False),
     ("fused-heads-residual-T3", "heads", 6, 40, 96, True),
@@ -103,6 +104,12 @@ def fused_case(torch, fl, mode, M, N, K, bias) -> dict:
     x = torch.randn(M, K, generator=g).to(bf)
     if mode == "norm":
         got, want = fl.fused_linear(x, w, b, norm_w=nw, eps=1e-5), F.linear(rms_norm(x, nw, 1e-5), w, b)
+    elif mode == "norm-eager":  # the RMSNorm with the eager layer's roundings, not the default 1/rms after the sums
+        late, fl.NORM_LATE = fl.NORM_LATE, False
+        try:
+            got, want = fl.fused_linear(x, w, b, norm_w=nw, eps=1e-5), F.linear(rms_norm(x, nw, 1e-5), w, b)
+        finally:
+            fl.NORM_LATE = late
     elif mode == "gate":
         got = fl.fused_linear(x, w, b, norm_w=nw, eps=1e-5, gate=True)
         gate, up = F.linear(rms_norm(x, nw, 1e-5), w, b).chunk(2, dim=-1)

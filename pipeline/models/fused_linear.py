@@ -16,15 +16,18 @@ tail of its last wave), which at batch 1 is a large share of a small matrix's fe
 and all seven are Triton kernels launched with programmatic dependent launch where the GPU has it
 (`pipeline.models.pdl`): each one's launch and start-up overlaps its predecessor's epilogue.
 
-Measured on an H100 (BENCHMARKS.md, issue 5; `ops/gpu_bench.py --attention fused,kernels`): batch-1 steps
-1-3% faster than the unfused layer (8B decode 5.98 vs 6.12 ms, 1B-shaped drafter with a 32k vocabulary
-1.21 vs 1.24 ms, its 5-token verify 1.27 vs 1.31 ms); at batch 4-16 up to 2% slower, so the graph path takes
+Measured on an H100 (BENCHMARKS.md, issue 5; `ops/gpu_bench.py --attention auto,kernels`): batch-1 steps
+3-9% faster than the unfused layer (8B decode 5.72 vs 6.09 ms, 1B-shaped drafter with a 32k vocabulary
+1.14 vs 1.24 ms, its 5-token verify 1.27 vs 1.31 ms); at batch 4-16 up to 2% slower, so the graph path takes
 it for batch-1 calls by default (`GraphConfig.fused_layer`). Without PDL it is about 1% slower than the
-unfused layer: fewer kernels alone do not pay, the small GEMVs' own ramp is the cost.
+unfused layer: fewer kernels alone do not pay, the small GEMVs' own ramp is the cost. Its linears alone, as a
+captured chain, stream at or near the bandwidth floor (`ops/linear_chain_bench.py`).
 
-The arithmetic rounds where the eager layer rounds (the RMSNorm output, each linear's output, SiLU, the
-product, the residual sum), with float32 accumulation; only summation order differs, so results match the
-eager path to bf16 tolerance (tests/test_graph_kernels.py, tests/test_gpu_graphs.py). For half-precision
+The arithmetic rounds where the eager layer rounds (each linear's output, SiLU, the product, the residual
+sum), with float32 accumulation. The RMSNorm is the exception by default (`NORM_LATE`): x times the norm
+weight is rounded once and the rows' 1/rms multiplies the float32 sums, one rounding fewer than the eager
+`rms_norm`; `SPECSERVE_NORM=eager` keeps the eager roundings. Results match the eager path to bf16 tolerance
+(tests/test_graph_kernels.py, tests/test_gpu_graphs.py). For half-precision
 weights and up to `MAX_ROWS` rows; float32 models keep the unfused path (whose cuBLAS arithmetic the float32
 decode/verify equality relies on, see `skinny_linear`).
 
@@ -36,20 +39,22 @@ Tensor parallel (`push=`, `pipeline.models.tp_fused`, opt-in): a row-parallel li
 to every rank's symmetric-memory buffer from its epilogue instead of writing `out`.
 
 Configuration: one program owns BLOCK_N output columns over the whole depth (no split-K: the epilogue needs
-the finished sum). `config_for` times a few (BLOCK_N, BLOCK_K) candidates once per shape on CUDA, with L2
-flushed, during the graph warm-up (like `skinny_linear`'s "auto"); elsewhere it takes `default_config`.
+the finished sum). `config_for` times a few (BLOCK_N, BLOCK_K) candidates once per shape on CUDA during the
+graph warm-up, as a captured chain of launches over distinct copies of the weight (`_chain_ms`: the way a
+step runs them); elsewhere it takes `default_config`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import statistics
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from pipeline.models.decode_attention import _sm_count
+from pipeline.models.decode_attention import _pow2, _sm_count
 from pipeline.models.pdl import launch_kwargs
 
 log = logging.getLogger(__name__)
@@ -63,6 +68,9 @@ PREFETCH_BYTES = int(float(os.environ.get("SPECSERVE_PDL_PREFETCH_MB", "0")) * (
 # With PDL, let the next kernel launch once this one's K loop is done ("late", the default) or as soon as it
 # has waited ("early"; measured 5-10% slower on an H100: the next kernel's waiting programs take its SMs).
 LATE_TRIGGER = os.environ.get("SPECSERVE_PDL_TRIGGER", "late") == "late"
+# The RMSNorm prologue: "late" multiplies the sums by each row's 1/rms after the K loop (the loop only multiplies x
+# by the norm weight); "eager" rounds x * 1/rms and then the product with the weight, as `graphs.rms_norm` does.
+NORM_LATE = os.environ.get("SPECSERVE_NORM", "late") == "late"
 # The graph path takes the fused layer for calls of at most this many rows (B * T): one 16-row tensor-core
 # tile. A 20-row call (padded to 32) ran 1.3x slower than the unfused layer on an H100 (BENCHMARKS.md).
 LAYER_MAX_ROWS = 16
@@ -95,8 +103,10 @@ def _stages(M: int, block_n: int, block_k: int, gate: bool, itemsize: int) -> in
 
 
 def default_config(M: int, N: int, K: int, sm_count: int, gate: bool = False, itemsize: int = 2) -> FusedConfig:
-    """16 columns a program while that leaves fewer than two programs per multiprocessor at 32, else 32."""
-    block_n = 32 if -(-N // 32) >= 2 * sm_count else 16
+    """32 columns a program while that still makes 0.7 programs per multiprocessor, else 16; the deepest K tile
+    that divides K. (The best or within 2% of it for every linear of the 8B, 1B and 8B-at-TP=2 layers timed in
+    a chain on an H100: `ops/linear_chain_bench.py --configs`.)"""
+    block_n = 32 if -(-N // 32) >= 0.7 * sm_count else 16
     block_k = _block_k(K)
     return FusedConfig(block_n, block_k, 4, _stages(M, block_n, block_k, gate, itemsize))
 
@@ -168,10 +178,12 @@ def _launch(x: torch.Tensor, M: int, K: int, row: tuple[int, int, int], col: tup
         raise RuntimeError("fused_linear on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
                            "before triton is first imported")
     assert push is None or (not gate and residual is None and M <= push.rows), "push: a plain linear of few rows"
+    assert norm_w is None or out is None or out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr(), \
+        "a normed linear reads x after writing out: out must not share x's storage"
     if out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device) if push is None else x.new_empty(0)
     assert push is not None or (out.shape == (M, N) and out.stride(1) == 1), (tuple(out.shape), (M, N))
-    c = config or config_for(x, M, N, K, w, bias, norm_w, gate, residual, w_scale)
+    c = config or config_for(x, M, N, K, w, bias, norm_w, gate, residual, w_scale, use_pdl)
     rows = N * (2 if gate else 1)
     chunks, pf, pf_step = _prefetch_plan(w, rows, K, c.block_n, c.num_warps) if use_pdl else (1, 0, 0)
     XT, s_xb, s_xt = row
@@ -190,6 +202,7 @@ def _launch(x: torch.Tensor, M: int, K: int, row: tuple[int, int, int], col: tup
         XD=XD, M_PAD=m_pad(M), BLOCK_N=c.block_n, BLOCK_K=c.block_k, NORM=norm_w is not None, GATE=gate,
         RESIDUAL=residual is not None, HAS_BIAS=bias is not None, HAS_SCALE=w_scale is not None,
         EVEN_K=K % c.block_k == 0,
+        NORM_LATE=NORM_LATE, R_PAD=_pow2(M), NORM_CHUNK=max(16, min(_pow2(K), 8192 // _pow2(M))),
         USE_PDL=use_pdl, PREFETCH=pf > 0, PF_CHUNKS=chunks, LATE_TRIGGER=LATE_TRIGGER,
         DOT_IN_F32=kern.interpreted() and x.dtype == torch.bfloat16,
         PUSH=push is not None, N_RANKS=push.peer_parts.shape[0] if push is not None else 1,
@@ -247,25 +260,29 @@ _choices: dict[tuple, FusedConfig] = {}
 
 
 def config_for(x: torch.Tensor, M: int, N: int, K: int, w: torch.Tensor, bias, norm_w, gate: bool,
-               residual, w_scale: Optional[torch.Tensor] = None) -> FusedConfig:
-    """The configuration of this shape: timed once on CUDA (outside a graph capture), else the default."""
-    key = (m_pad(M), N, K, w.dtype, gate, norm_w is not None, residual is not None, bias is not None, x.device)
+               residual, w_scale: Optional[torch.Tensor] = None, use_pdl: bool = False) -> FusedConfig:
+    """The configuration of this shape: timed once on CUDA (outside a graph capture) the way the graph path runs
+    it (`_chain_ms`), else the default."""
+    key = (m_pad(M), N, K, w.dtype, gate, norm_w is not None, residual is not None, bias is not None, x.device,
+           norm_w is not None and NORM_LATE)
     got = _choices.get(key)
     if got is not None:
         return got
     sms = _sm_count(x.device)
     if x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return _choices.setdefault(key, default_config(M, N, K, sms, gate, w.element_size()))
-    from pipeline.models.skinny_linear import _time_ms
-
     xs = torch.randn(M, K, dtype=x.dtype, device=x.device)
-    res = torch.randn(M, N, dtype=x.dtype, device=x.device) if residual is not None else None
-    flush = torch.empty(256 << 20, dtype=torch.int8, device=x.device)
+    out = torch.zeros(M, N, dtype=x.dtype, device=x.device)
+    # Distinct copies of the weight, so that the launches of the chain stream their weights from memory as the
+    # layers of a step do (one copy where it alone outgrows L2 several times over).
+    l2 = torch.cuda.get_device_properties(x.device).L2_cache_size
+    ws = [w] + [w.clone() for _ in range(min(7, -(-4 * l2 // (w.numel() * w.element_size())) - 1))]
     best, best_ms = None, float("inf")
     for c in candidates(M, N, K, sms, gate, w.element_size()):
         try:
-            ms = _time_ms(lambda: fused_linear(xs, w, bias, norm_w=norm_w, gate=gate, residual=res, config=c,
-                                               w_scale=w_scale), flush, 5)
+            ms = _chain_ms(lambda i: fused_linear(
+                xs, ws[i % len(ws)], bias, norm_w=norm_w, gate=gate, residual=out if residual is not None else None,
+                out=out, config=c, w_scale=w_scale, use_pdl=use_pdl))
         except Exception as e:  # noqa: BLE001 - a configuration that does not build/fit is skipped
             log.debug("fused_linear %s failed for %s: %s", c, key[:3], e)
             continue
@@ -274,8 +291,33 @@ def config_for(x: torch.Tensor, M: int, N: int, K: int, w: torch.Tensor, bias, n
     return _choices.setdefault(key, best or default_config(M, N, K, sms, gate, w.element_size()))
 
 
+def _chain_ms(launch, n: int = 8, reps: int = 5) -> float:
+    """Milliseconds per launch of `launch(0) ... launch(n - 1)` captured in one CUDA graph, median of `reps`
+    replays: the kernels run back to back (overlapped under PDL) as in a captured step. Timing one launch alone,
+    with L2 flushed by a write before it, ranked the candidates differently from how they ran in a step: on an
+    H100 it picked configurations 30-40% slower there (BLOCK_N 16 x BLOCK_K 128 for 8B's q/k/v, 27 us a layer
+    against 20; `ops/linear_chain_bench.py --configs`, BENCHMARKS.md issue 5)."""
+    for i in range(n):  # compile, warm
+        launch(i)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        for i in range(n):
+            launch(i)
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        times.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in times) / n
+
+
 def chosen() -> dict[str, str]:
     """What was chosen per shape so far, for benchmark reports."""
     return {f"Mpad{k[0]} N{k[1]} K{k[2]} {str(k[3]).removeprefix('torch.')}{' gate' if k[4] else ''}"
-            f"{' norm' if k[5] else ''}{' res' if k[6] else ''}": f"{c.block_n}x{c.block_k}/s{c.num_stages}"
+            f"{' norm' if k[5] else ''}{' late' if k[9] else ''}{' res' if k[6] else ''}":
+            f"{c.block_n}x{c.block_k}/w{c.num_warps}/s{c.num_stages}"
             for k, c in _choices.items()}

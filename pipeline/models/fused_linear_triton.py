@@ -3,10 +3,14 @@
 `fused_linear_kernel`: `y[M, N] = epilogue(prologue(x)[M, K] @ w[N, K]^T + bias)` for few rows, one program
 per BLOCK_N output columns over the whole depth K (no split, so the epilogue sees finished sums):
 
-- prologue NORM: RMSNorm of x's rows: a first pass over x (it is small, and in L2) computes the rows' 1/rms in
-  float32, and the main loop feeds `weight * (x * rstd).to(dtype)` (the rounding of `graphs.rms_norm`) to the
-  product. (Summing the squares inside the main loop instead measured 4-17% slower on an H100: a reduction
-  across threads per tile, or a second accumulator, costs more than re-reading x from L2);
+- prologue NORM: RMSNorm of x's rows. A pass over x (it is small, and in L2; `_rstd_rows`) computes the rows'
+  1/rms in float32. NORM_LATE (the default): the main loop feeds `x * weight` (one rounding) to the product and
+  the sums are multiplied by 1/rms after the loop, where the pass then runs; otherwise the loop feeds
+  `weight * (x * rstd).to(dtype)`, the roundings of `graphs.rms_norm`, the pass before the loop. The loop's
+  per-element work is what a normed linear costs over a plain one: NORM_LATE halves it (H100, 1B and 8B
+  batch-1 steps 0.5-2.5% faster; `ops/linear_chain_bench.py`). (Summing the squares inside the main loop
+  instead measured 4-17% slower: a reduction across threads per tile, or a second accumulator, costs more
+  than re-reading x from L2);
 - x addressing: row m = (m // XT, m % XT) with strides (s_xb, s_xt), column k = (k // XD, k % XD) with
   strides (s_xj, 1). A plain [M, K] matrix is XT = 1, XD = 1; the attention output [B, Hkv, G*T, D] read as
   [B*T, H*D] is XT = T, XD = D, s_xj = T*D (the permute the eager path copies);
@@ -49,6 +53,40 @@ def _prefetch_rows_l2(ptrs, nbytes):
 
 
 @triton.jit
+def _rstd_rows(X, M, K, XT, s_xb, s_xt, s_xj, eps, XD: tl.constexpr, M_PAD: tl.constexpr, R_PAD: tl.constexpr,
+               NORM_CHUNK: tl.constexpr):
+    """1 / rms of each of x's M rows, as [M_PAD] float32 (0 past M): a pass over x (small, and in L2) in
+    [R_PAD, NORM_CHUNK] tiles, R_PAD = M rounded up to a power of two (no tensor-core product here, so no
+    padding to 16 rows), NORM_CHUNK as wide as the registers allow: a few dependent L2 round trips, one for
+    K <= 8192 at one row (in [16, BLOCK_K] tiles it was K / BLOCK_K of them: 3.5 us more per kernel on an H100
+    at K = 4096; a row at a time, 1.2 us more per row)."""
+    offs_r = tl.arange(0, R_PAD)
+    offs_c = tl.arange(0, NORM_CHUNK)
+    rows = X + (offs_r // XT) * s_xb + (offs_r % XT) * s_xt
+    sq = tl.zeros([R_PAD, NORM_CHUNK], dtype=tl.float32)
+    for k0 in range(0, K, NORM_CHUNK):
+        offs_k = k0 + offs_c
+        cols = (offs_k // XD) * s_xj + offs_k % XD
+        xs = tl.load(rows[:, None] + cols[None, :], mask=(offs_r < M)[:, None] & (offs_k < K)[None, :],
+                     other=0.0).to(tl.float32)
+        sq += xs * xs
+    rstd_r = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)  # [R_PAD]
+    offs_m = tl.arange(0, M_PAD)  # spread over the M_PAD rows of the product's tile (0 past M)
+    pick = (offs_m[:, None] == offs_r[None, :]) & (offs_r < M)[None, :]
+    return tl.sum(tl.where(pick, rstd_r[None, :], 0.0), axis=1)
+
+
+@triton.jit
+def _mul_rounded(a, b, IN_F32: tl.constexpr):
+    """a * b rounded once to their (half) dtype: the product of two half-precision numbers is exact in float32, so
+    the GPU's native half multiply gives the same bits as float32 math then rounding (IN_F32: the interpreter,
+    whose bf16 arithmetic is not to be trusted)."""
+    if IN_F32:
+        return (a.to(tl.float32) * b.to(tl.float32)).to(a.dtype)
+    return a * b
+
+
+@triton.jit
 def fused_linear_kernel(
     X, NORM_W, W, W_SCALE, BIAS, RES, Y,
     PEER_PARTS, PEER_COUNTERS, TICKET,
@@ -66,6 +104,9 @@ def fused_linear_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr,  # w is float8 with one float32 scale per row (W_SCALE): w_true = w * scale
     EVEN_K: tl.constexpr,  # K is a whole number of BLOCK_K tiles: no K mask
+    NORM_LATE: tl.constexpr,  # with NORM: the rows' 1/rms multiplies the sums after the K loop, not x in it
+    R_PAD: tl.constexpr,  # with NORM: M rounded up to a power of two (the 1/rms pass's rows)
+    NORM_CHUNK: tl.constexpr,  # with NORM: the 1/rms pass's tile width
     USE_PDL: tl.constexpr,
     PREFETCH: tl.constexpr,  # with USE_PDL: prefetch PF_CHUNKS x PF_BYTES of each weight row into L2 first
     PF_CHUNKS: tl.constexpr,  # BLOCK_N * PF_CHUNKS = the program's threads: one prefetch each, none repeated
@@ -98,18 +139,8 @@ def fused_linear_kernel(
             tl.extra.cuda.gdc_launch_dependents()
 
     x_rows = X + (offs_m // XT) * s_xb + (offs_m % XT) * s_xt  # [M_PAD]
-    if NORM:  # a first pass over x (small, and in L2) for the rows' 1/rms
-        ss = tl.zeros([M_PAD], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + offs_k0
-            cols = (offs_k // XD) * s_xj + offs_k % XD
-            if EVEN_K:
-                xs = tl.load(x_rows[:, None] + cols[None, :], mask=m_ok[:, None], other=0.0).to(tl.float32)
-            else:
-                xs = tl.load(x_rows[:, None] + cols[None, :], mask=m_ok[:, None] & (offs_k < K)[None, :],
-                             other=0.0).to(tl.float32)
-            ss += tl.sum(xs * xs, axis=1)
-        rstd = 1.0 / tl.sqrt(ss / K + eps)
+    if NORM and not NORM_LATE:
+        rstd = _rstd_rows(X, M, K, XT, s_xb, s_xt, s_xj, eps, XD, M_PAD, R_PAD, NORM_CHUNK)
     acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -124,11 +155,13 @@ def fused_linear_kernel(
             w = tl.load(w_rows + offs_k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         if NORM:
             if EVEN_K:
-                nw = tl.load(NORM_W + offs_k).to(tl.float32)
+                nw = tl.load(NORM_W + offs_k).to(DT)
             else:
-                nw = tl.load(NORM_W + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-            xn = (x.to(tl.float32) * rstd[:, None]).to(DT)
-            x = (nw[None, :] * xn.to(tl.float32)).to(DT)
+                nw = tl.load(NORM_W + offs_k, mask=offs_k < K, other=0.0).to(DT)
+            if NORM_LATE:  # 1/rms scales the sums in the epilogue; here one product per element
+                x = _mul_rounded(x.to(DT), nw[None, :], DOT_IN_F32)
+            else:  # the eager roundings: (x * 1/rms) rounded, times the weight, rounded
+                x = _mul_rounded((x.to(tl.float32) * rstd[:, None]).to(DT), nw[None, :], DOT_IN_F32)
         else:
             x = x.to(DT)
         if HAS_SCALE:
@@ -153,6 +186,11 @@ def fused_linear_kernel(
     if USE_PDL:
         if LATE_TRIGGER:
             tl.extra.cuda.gdc_launch_dependents()
+    if NORM and NORM_LATE:  # sum_k W[n, k] * (x[k] * w[k] / rms) = (1 / rms) * sum_k W[n, k] * (x[k] * w[k])
+        rstd = _rstd_rows(X, M, K, XT, s_xb, s_xt, s_xj, eps, XD, M_PAD, R_PAD, NORM_CHUNK)
+        acc = acc * rstd[:, None]
+        if GATE:
+            acc_u = acc_u * rstd[:, None]
     if HAS_SCALE:
         acc = acc * tl.load(W_SCALE + offs_n, mask=n_ok, other=0.0)[None, :]
         if GATE:
