@@ -68,6 +68,19 @@ class TargetConfig(_Strict):
     )
     device: str = Field("cpu", description="torch device of the workers ('cpu', 'cuda').")
     dtype: str = Field("float32", description="'float32' | 'bfloat16' | 'float16'.")
+    tp_allreduce: Literal["auto", "fused", "symm", "nccl"] = Field(
+        "auto",
+        description="Tensor parallel on CUDA: how a step sums the ranks' partial results. 'auto': 'fused' (the "
+        "fused layer's linears send their partials to every rank) at 2 ranks, else 'symm' (a symmetric-memory "
+        "all-reduce kernel), else 'nccl' (pipeline.models.tensor_parallel). CPU groups use gloo.",
+    )
+
+    @model_validator(mode="after")
+    def _allreduce_needs_cuda_group(self) -> "TargetConfig":
+        if self.tp_allreduce != "auto" and (self.tensor_parallel_size < 2 or not self.device.startswith("cuda")):
+            raise ValueError(f"tp_allreduce={self.tp_allreduce!r} applies to tensor-parallel CUDA targets "
+                             f"(tensor_parallel_size={self.tensor_parallel_size}, device={self.device!r})")
+        return self
 
 
 class DrafterConfig(_Strict):

@@ -62,7 +62,7 @@ class TargetWorker:
     def __init__(
         self, model: Optional[str], max_batch_size: int, max_seq_len: int, device: str = "cpu",
         dtype: str = "float32", torch_threads: int = 1, batch_wait_ms: float = 1.0,
-        rank: int = 0, world_size: int = 1, tp_init_method: Optional[str] = None,
+        rank: int = 0, world_size: int = 1, tp_init_method: Optional[str] = None, tp_allreduce: str = "auto",
     ) -> None:
         import torch
 
@@ -71,7 +71,7 @@ class TargetWorker:
         if world_size > 1:  # rank 0 of a tensor-parallel group: each pass is broadcast to the other ranks
             from deployments.tp_group import leader_runner
 
-            self.model = leader_runner(model, world_size, tp_init_method, device, dtype)
+            self.model = leader_runner(model, world_size, tp_init_method, device, dtype, allreduce=tp_allreduce)
         else:
             from pipeline.models.graphs import graphs_on_cuda
             from pipeline.models.loader import load_model
@@ -241,6 +241,7 @@ class TargetServer(ModelHost):
             TargetWorker, TARGET, t.resources, t.tensor_parallel_size,
             model=t.model, max_batch_size=t.max_batch_size, max_seq_len=t.max_seq_len, device=t.device,
             dtype=t.dtype, torch_threads=t.resources.torch_threads, batch_wait_ms=t.batch_wait_ms,
+            **({"tp_allreduce": t.tp_allreduce} if t.tensor_parallel_size > 1 else {}),
         )
         self._info = await self.workers[0].info.remote()  # waits for the model to load
 

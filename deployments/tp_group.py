@@ -72,8 +72,10 @@ def rank_actor_options(resources: Resources) -> dict[str, Any]:
 
 
 def load_rank(model: Any, rank: int, world_size: int, init_method: str, device: str, dtype: str,
-              collective_timeout_s: float = COLLECTIVE_TIMEOUT_S, control_timeout_s: float = CONTROL_TIMEOUT_S):
-    """Join the group and load this rank's shard (graph-wrapped on CUDA). -> (runner, TPContext)."""
+              collective_timeout_s: float = COLLECTIVE_TIMEOUT_S, control_timeout_s: float = CONTROL_TIMEOUT_S,
+              allreduce: str = "auto"):
+    """Join the group and load this rank's shard (graph-wrapped on CUDA, summing with `allreduce`, every rank
+    the same: `TargetConfig.tp_allreduce`). -> (runner, TPContext)."""
     from pipeline.models.tensor_parallel import init_tensor_parallel, load_tensor_parallel_model, tensor_parallel_graphs
 
     if device == "cuda" and os.environ.get(NOSET_CUDA_VISIBLE_DEVICES) == "1":
@@ -81,17 +83,18 @@ def load_rank(model: Any, rank: int, world_size: int, init_method: str, device: 
     tp = init_tensor_parallel(rank, world_size, init_method, device, collective_timeout_s, control_timeout_s)
     runner = load_tensor_parallel_model(model, tp, dtype)
     if tp.device.type == "cuda":
-        runner = tensor_parallel_graphs(runner)
-    logger.info("tensor-parallel rank %d/%d loaded %s on %s", rank, world_size, runner.info.name, tp.device)
+        runner = tensor_parallel_graphs(runner, allreduce=allreduce)
+    logger.info("tensor-parallel rank %d/%d loaded %s on %s (all-reduce: %s)", rank, world_size, runner.info.name,
+                tp.device, getattr(runner, "allreduce", "gloo"))
     return runner, tp
 
 
 def leader_runner(model: Any, world_size: int, init_method: str, device: str, dtype: str,
-                  heartbeat_s: float = HEARTBEAT_S, **timeouts: float):
+                  heartbeat_s: float = HEARTBEAT_S, allreduce: str = "auto", **timeouts: float):
     """Rank 0's `CausalLM`: drives the followers; exits the process when the group breaks."""
     from pipeline.models.tensor_parallel import TensorParallelRunner
 
-    runner, tp = load_rank(model, 0, world_size, init_method, device, dtype, **timeouts)
+    runner, tp = load_rank(model, 0, world_size, init_method, device, dtype, allreduce=allreduce, **timeouts)
     return TensorParallelRunner(runner, tp, heartbeat_s=heartbeat_s, on_failure=_exit_process)
 
 
@@ -99,12 +102,14 @@ class RankFollower:
     """Ranks 1..N-1 of a tensor-parallel replica: replay rank 0's passes on this rank's shard."""
 
     def __init__(self, model: Any, device: str = "cpu", dtype: str = "float32", torch_threads: int = 1,
-                 rank: int = 1, world_size: int = 2, tp_init_method: str = "", **timeouts: float) -> None:
+                 rank: int = 1, world_size: int = 2, tp_init_method: str = "", tp_allreduce: str = "auto",
+                 **timeouts: float) -> None:
         import torch
 
         torch.set_num_threads(torch_threads)
         self.rank = rank
-        self.runner, self.tp = load_rank(model, rank, world_size, tp_init_method, device, dtype, **timeouts)
+        self.runner, self.tp = load_rank(model, rank, world_size, tp_init_method, device, dtype,
+                                         allreduce=tp_allreduce, **timeouts)
         threading.Thread(target=self._follow, name=f"tp-follow-{rank}", daemon=True).start()
 
     def _follow(self) -> None:
@@ -134,7 +139,8 @@ def spawn_tensor_parallel_workers(leader_cls: type, role: str, resources: Resour
     if pg is None:
         raise RuntimeError("tensor_parallel_size > 1 needs the replica's placement group (deployment_options)")
     init_method = rendezvous()
-    follower_kwargs = {k: init_kwargs[k] for k in ("model", "device", "dtype", "torch_threads") if k in init_kwargs}
+    follower_kwargs = {k: init_kwargs[k] for k in ("model", "device", "dtype", "torch_threads", "tp_allreduce")
+                       if k in init_kwargs}
     workers = []
     for rank in range(world_size):
         opts = rank_actor_options(resources)

@@ -33,3 +33,15 @@ def test_cpu_tensor_parallel_replica_gets_packed_bundles_or_a_clear_error():
     assert o["placement_group_bundles"] == [{"CPU": 0.01}] * 2 and o["placement_group_strategy"] == "STRICT_PACK"
     with pytest.raises(ValueError, match="needs num_cpus > 0 per worker"):
         cfg.deployment_options(cfg.AppConfig(redis_url="redis://r:6379/0", target={"tensor_parallel_size": 2}))
+
+
+def test_tp_allreduce_is_a_setting_of_tensor_parallel_cuda_targets():
+    gpu = {"tensor_parallel_size": 2, "device": "cuda", "dtype": "bfloat16", "resources": {"num_gpus": 1}}
+    assert cfg.AppConfig(target=gpu).target.tp_allreduce == "auto"
+    assert cfg.AppConfig(target={**gpu, "tp_allreduce": "fused"}).target.tp_allreduce == "fused"
+    with pytest.raises(ValueError, match="tp_allreduce='symm' applies to tensor-parallel CUDA targets"):
+        cfg.AppConfig(target={**gpu, "device": "cpu", "tp_allreduce": "symm"})
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=1, device='cuda'"):
+        cfg.AppConfig(target={**gpu, "tensor_parallel_size": 1, "tp_allreduce": "fused"})
+    with pytest.raises(ValueError, match="tp_allreduce"):
+        cfg.AppConfig(target={**gpu, "tp_allreduce": "ring"})

@@ -47,6 +47,11 @@ from pipeline.models.llama import LlamaArgs, LlamaCausalLM, Transformer, hf_to_l
 
 log = logging.getLogger(__name__)
 
+# Group sizes at which allreduce="auto" takes the fused layer's own all-reduce (pipeline.models.tp_fused) on the
+# graph path. 8B batch-1 decode at TP=2, fused against the one-shot symmetric-memory kernel: 3.71 vs 4.33 ms on
+# 2 H100s, 4.18 vs 4.32 on 4 H100s, 3.37 vs 3.42 on 4 H200s. At TP=4 it was even on H100s and 31% slower on
+# H200s (BENCHMARKS.md, issue 6), so larger groups keep "symm".
+FUSED_AUTO_RANKS = (2,)
 
 # ----------------------------------------------------------------------------------------------------
 # The plan: which heads, MLP columns and vocabulary rows a rank holds (pure functions)
@@ -567,10 +572,11 @@ def tensor_parallel_graphs(runner: LlamaCausalLM, config: Any = None, allreduce:
     """`pipeline.models.graphs.GraphCausalLM` over a sharded runner (every rank wraps its runner the same
     way, so captures happen in lockstep). The graph path calls its attention-output/MLP math on raw weights,
     bypassing the modules' all_reduce hooks: that function is swapped for one with the two all-reduces
-    (`pipeline.models.tp_allreduce`, `allreduce` = auto | nccl | symm; the wrapper's `allreduce` attribute
-    says what it resolved to). With `allreduce="fused"` the fused layer serves calls of up to 16 rows instead,
-    pushing its partial sums from its linears' epilogues (`pipeline.models.tp_fused`); larger calls take the
-    swapped math with the "auto" reducer. Its static logits come from the local output rows; they are gathered
+    (`pipeline.models.tp_allreduce`, `allreduce` = nccl | symm; the wrapper's `allreduce` attribute says what
+    it resolved to). With `allreduce="fused"` the fused layer serves calls of up to 16 rows instead, pushing its
+    partial sums from its linears' epilogues (`pipeline.models.tp_fused`); larger calls take the swapped math
+    with the "auto" reducer. "auto": "fused" at `FUSED_AUTO_RANKS` ranks where the fused layer runs (and sets
+    up), else the reducer's own "auto" (symm, else nccl). Its static logits come from the local output rows; they are gathered
     here, after the graph (one all_gather per call). The embedding module does its own all_reduce inside the graph."""
     from pipeline.models import fused_linear as fl
     from pipeline.models import graphs
@@ -598,15 +604,22 @@ def tensor_parallel_graphs(runner: LlamaCausalLM, config: Any = None, allreduce:
     if allreduce not in kinds:
         raise ValueError(f"allreduce must be one of {kinds}, got {allreduce!r}")
     # "fused": the fused layer pushes its partial sums to every rank from its linears' epilogues
-    # (pipeline.models.tp_fused); opt-in: on par with "symm" on 4 H100s, slower at TP=4 on H200s. Otherwise the
-    # fused layer is off and the swapped math below, with an all-reduce kernel (`make_reducer`), serves every call.
-    fused = allreduce == "fused"
-    if fused and not g.fused_layer:
+    # (pipeline.models.tp_fused). "auto" takes it at FUSED_AUTO_RANKS ranks where the fused layer runs. Otherwise
+    # the fused layer is off and the swapped math below, with an all-reduce kernel (`make_reducer`), serves every
+    # call.
+    if allreduce == "fused" and not g.fused_layer:
         raise ValueError("allreduce='fused' needs the fused layer: a CUDA model in bf16/fp16 with the Triton attention")
+    fused = allreduce == "fused" or (allreduce == "auto" and g.fused_layer and plan.world_size in FUSED_AUTO_RANKS)
     if fused:
-        g._tp_sites = setup_fused_allreduce(group, runner.device, fl.LAYER_MAX_ROWS, runner.args.dim,
-                                            2 * runner.args.n_layers, runner.dtype)
-    else:
+        try:
+            g._tp_sites = setup_fused_allreduce(group, runner.device, fl.LAYER_MAX_ROWS, runner.args.dim,
+                                                2 * runner.args.n_layers, runner.dtype)
+        except Exception as e:  # noqa: BLE001 - "auto" falls back (the self-test fails on every rank at once)
+            if allreduce == "fused":
+                raise
+            log.warning("fused all-reduce unavailable (%s: %s); using the all-reduce kernel", type(e).__name__, e)
+            fused = False
+    if not fused:
         g.fused_layer = False  # the fused layer has no all-reduce between its linears: the swapped math below serves
 
     def attn_proj(y: torch.Tensor, wo: torch.Tensor, bo: Optional[torch.Tensor], T: int, lk: str) -> torch.Tensor:
