@@ -297,12 +297,16 @@ def _chain_ms(launch, n: int = 8, reps: int = 5) -> float:
     with L2 flushed by a write before it, ranked the candidates differently from how they ran in a step: on an
     H100 it picked configurations 30-40% slower there (BLOCK_N 16 x BLOCK_K 128 for 8B's q/k/v, 27 us a layer
     against 20; `ops/linear_chain_bench.py --configs`, BENCHMARKS.md issue 5)."""
-    for i in range(n):  # compile, warm
-        launch(i)
+    return captured_ms(lambda: [launch(i) for i in range(n)], reps) / n
+
+
+def captured_ms(fn, reps: int = 5) -> float:
+    """Median milliseconds of one replay of `fn` captured in a CUDA graph (`fn` runs once before, uncaptured: it
+    may compile or tune there)."""
+    fn()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        for i in range(n):
-            launch(i)
+        fn()
     graph.replay()
     times = []
     for _ in range(reps):
@@ -312,7 +316,7 @@ def _chain_ms(launch, n: int = 8, reps: int = 5) -> float:
         end.record()
         times.append((start, end))
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in times) / n
+    return statistics.median(s.elapsed_time(e) for s, e in times)
 
 
 def chosen() -> dict[str, str]:
