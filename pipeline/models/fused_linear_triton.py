@@ -59,7 +59,7 @@ def _rstd_rows(X, M, K, XT, s_xb, s_xt, s_xj, eps, XD: tl.constexpr, M_PAD: tl.c
     [R_PAD, NORM_CHUNK] tiles, R_PAD = M rounded up to a power of two (no tensor-core product here, so no
     padding to 16 rows), NORM_CHUNK as wide as the registers allow: a few dependent L2 round trips, one for
     K <= 8192 at one row (in [16, BLOCK_K] tiles it was K / BLOCK_K of them: 3.5 us more per kernel on an H100
-    at K = 4096; a row at a time, 1.2 us more per row)."""
+    at K = 4096; a row at a time, an estimated 1.2 us more per row)."""
     offs_r = tl.arange(0, R_PAD)
     offs_c = tl.arange(0, NORM_CHUNK)
     rows = X + (offs_r // XT) * s_xb + (offs_r % XT) * s_xt
