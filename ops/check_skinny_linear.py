@@ -5,8 +5,8 @@
     python3 ops/check_skinny_linear.py --sets demo --dtype float32 --rows 1,32,160   # the float32 demo target
 
 Per weight matrix of the model shapes (random, bf16 unless --dtype) and row count M: `skinny_linear.tune` times F.linear and
-every candidate configuration of the kernel, the L2 cache flushed before each timed call (in a model the
-previous layer's weights have evicted this one), median of 7. GB/s = weight bytes / time; "x copy" divides by
+every candidate configuration of the kernel as a captured chain of launches over copies of the weight (in a
+model the previous layer's weights have evicted this one from L2), median of 7. GB/s = weight bytes / time; "x copy" divides by
 the card's copy bandwidth (bytes read + written / time of a 4 GiB device-to-device copy). The best kernel and
 F.linear are both compared with a float64 product of the same inputs.
 

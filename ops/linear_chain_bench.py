@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.models import fused_linear as fl  # noqa: E402
 from pipeline.models import pdl  # noqa: E402
+from pipeline.models.kernel_timing import captured_ms  # noqa: E402
 
 # (hidden, q width, k+v width, intermediate) of each rank's shard
 SETS = {
@@ -59,7 +60,7 @@ def log(msg: str) -> None:
 def copy_GBps(gib: float = 4.0) -> float:
     n = int(gib * (1 << 30))
     a, b = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
-    return 2 * n / fl.captured_ms(lambda: b.copy_(a), reps=10) / 1e6
+    return 2 * n / captured_ms(lambda: b.copy_(a), reps=10) / 1e6
 
 
 def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -120,7 +121,7 @@ def sweep(M: int, use_pdl: bool, total_mb: int = 1024) -> dict:
             for w in ws:
                 fl.fused_linear(x, w, out=y, use_pdl=use_pdl)
 
-        pts.append((N * K * 2, fl.captured_ms(run, reps=20) * 1e3 / n))
+        pts.append((N * K * 2, captured_ms(run, reps=20) * 1e3 / n))
         ws.clear()
         torch.cuda.empty_cache()
     mx, my = statistics.fmean(p[0] for p in pts), statistics.fmean(p[1] for p in pts)
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                 for v in variants:
                     fl.NORM_LATE = v != "eager"
                     fn = layers.chain(kind, M, use_pdl=have_pdl and v != "nopdl", norm=v != "nonorm")
-                    us = fl.captured_ms(fn, reps=20) * 1e3 / a.layers
+                    us = captured_ms(fn, reps=20) * 1e3 / a.layers
                     row = {"set": s, "M": M, "kind": kind, "variant": v, "us": us, "floor_us": floor_us}
                     rows_out.append(row)
                     log(f"{s:7s} M={M:2d} {kind:8s} {v:7s} {us:8.1f} us  floor {floor_us:7.1f}  "
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                         for ns in (3, 4)]
                     for c in dict.fromkeys(cands):
                         try:
-                            us = fl.captured_ms(layers.chain(kind, M, have_pdl, True, c), reps=20) * 1e3 / a.layers
+                            us = captured_ms(layers.chain(kind, M, have_pdl, True, c), reps=20) * 1e3 / a.layers
                         except Exception as e:  # noqa: BLE001 - a configuration that does not fit is reported
                             log(f"{s} M={M} {kind} {c}: failed ({type(e).__name__})")
                             continue

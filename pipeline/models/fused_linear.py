@@ -40,15 +40,14 @@ to every rank's symmetric-memory buffer from its epilogue instead of writing `ou
 
 Configuration: one program owns BLOCK_N output columns over the whole depth (no split-K: the epilogue needs
 the finished sum). `config_for` times a few (BLOCK_N, BLOCK_K) candidates once per shape on CUDA during the
-graph warm-up, as a captured chain of launches over distinct copies of the weight (`_chain_ms`: the way a
-step runs them); elsewhere it takes `default_config`.
+graph warm-up, as a captured chain of launches over distinct copies of the weight (`kernel_timing`: the way
+a step runs them); elsewhere it takes `default_config`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import statistics
 from dataclasses import dataclass
 from typing import Optional
 
@@ -262,7 +261,7 @@ _choices: dict[tuple, FusedConfig] = {}
 def config_for(x: torch.Tensor, M: int, N: int, K: int, w: torch.Tensor, bias, norm_w, gate: bool,
                residual, w_scale: Optional[torch.Tensor] = None, use_pdl: bool = False) -> FusedConfig:
     """The configuration of this shape: timed once on CUDA (outside a graph capture) the way the graph path runs
-    it (`_chain_ms`), else the default."""
+    it (`kernel_timing.chain_ms`), else the default."""
     key = (m_pad(M), N, K, w.dtype, gate, norm_w is not None, residual is not None, bias is not None, x.device,
            norm_w is not None and NORM_LATE)
     got = _choices.get(key)
@@ -271,52 +270,23 @@ def config_for(x: torch.Tensor, M: int, N: int, K: int, w: torch.Tensor, bias, n
     sms = _sm_count(x.device)
     if x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return _choices.setdefault(key, default_config(M, N, K, sms, gate, w.element_size()))
+    from pipeline.models.kernel_timing import chain_ms, weight_copies
+
     xs = torch.randn(M, K, dtype=x.dtype, device=x.device)
     out = torch.zeros(M, N, dtype=x.dtype, device=x.device)
-    # Distinct copies of the weight, so that the launches of the chain stream their weights from memory as the
-    # layers of a step do (one copy where it alone outgrows L2 several times over).
-    l2 = torch.cuda.get_device_properties(x.device).L2_cache_size
-    ws = [w] + [w.clone() for _ in range(min(7, -(-4 * l2 // (w.numel() * w.element_size())) - 1))]
+    ws = weight_copies(w)
     best, best_ms = None, float("inf")
     for c in candidates(M, N, K, sms, gate, w.element_size()):
         try:
-            ms = _chain_ms(lambda i: fused_linear(
-                xs, ws[i % len(ws)], bias, norm_w=norm_w, gate=gate, residual=out if residual is not None else None,
-                out=out, config=c, w_scale=w_scale, use_pdl=use_pdl))
+            ms = chain_ms(lambda wi: fused_linear(
+                xs, wi, bias, norm_w=norm_w, gate=gate, residual=out if residual is not None else None,
+                out=out, config=c, w_scale=w_scale, use_pdl=use_pdl), ws)
         except Exception as e:  # noqa: BLE001 - a configuration that does not build/fit is skipped
             log.debug("fused_linear %s failed for %s: %s", c, key[:3], e)
             continue
         if ms < best_ms:
             best, best_ms = c, ms
     return _choices.setdefault(key, best or default_config(M, N, K, sms, gate, w.element_size()))
-
-
-def _chain_ms(launch, n: int = 8, reps: int = 5) -> float:
-    """Milliseconds per launch of `launch(0) ... launch(n - 1)` captured in one CUDA graph, median of `reps`
-    replays: the kernels run back to back (overlapped under PDL) as in a captured step. Timing one launch alone,
-    with L2 flushed by a write before it, ranked the candidates differently from how they ran in a step: on an
-    H100 it picked configurations 30-40% slower there (BLOCK_N 16 x BLOCK_K 128 for 8B's q/k/v, 27 us a layer
-    against 20; `ops/linear_chain_bench.py --configs`, BENCHMARKS.md issue 5)."""
-    return captured_ms(lambda: [launch(i) for i in range(n)], reps) / n
-
-
-def captured_ms(fn, reps: int = 5) -> float:
-    """Median milliseconds of one replay of `fn` captured in a CUDA graph (`fn` runs once before, uncaptured: it
-    may compile or tune there)."""
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        times.append((start, end))
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in times)
 
 
 def chosen() -> dict[str, str]:

@@ -9,8 +9,9 @@ reduction kernel (BENCHMARKS.md, issue 5). `skinny_linear_triton` is a split-K k
 - "torch": `F.linear` (cuBLAS on CUDA).
 - "triton": the Triton kernel with the heuristic configuration of its shape (`default_config`); tests.
 - "auto": per shape (rows, columns, depth, dtypes, bias), the fastest of `F.linear` and the kernel's candidate
-  configurations, timed once on the device with the L2 cache flushed before every timed call (in a model,
-  each layer's weights evict the last one's); the choice is cached for the process. Shapes are timed the
+  configurations, timed once on the device as a captured chain of launches over copies of the weight
+  (`kernel_timing.chain_ms`: the way a step runs them, each layer's weights evicting the last one's from L2);
+  the choice is cached for the process. Shapes are timed the
   first time they run outside a CUDA-graph capture: the graph runner's warm-up, before it captures. A shape
   first met during a capture takes `F.linear` (said once). Where triton is missing or the device is not
   CUDA, "auto" is "torch".
@@ -26,7 +27,6 @@ Forced "triton" on float32 uses IEEE float32 products, not TF32. Inside `torch.c
 from __future__ import annotations
 
 import logging
-import statistics
 from dataclasses import dataclass
 from typing import Optional
 
@@ -157,31 +157,20 @@ _timings: dict[_Key, dict[str, float]] = {}  # key -> {candidate: ms}, for repor
 _warned_capture = False
 
 
-def _time_ms(fn, flush: torch.Tensor, reps: int) -> float:
-    fn()  # compile / warm
-    times = []
-    for _ in range(reps):
-        flush.zero_()  # evict the weight from L2, as the previous layer's weights would
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        times.append((start, end))
-    torch.cuda.synchronize(flush.device)
-    return statistics.median(s.elapsed_time(e) for s, e in times)
-
-
 def tune(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], reps: int = 7) -> Optional[SkinnyConfig]:
-    """The fastest of F.linear and the kernel's candidates for this shape (None: F.linear), timed now."""
+    """The fastest of F.linear and the kernel's candidates for this shape (None: F.linear), timed now as a step
+    runs them (`kernel_timing.chain_ms`)."""
+    from pipeline.models.kernel_timing import chain_ms, weight_copies
+
     M, K = x.shape
     N = w.shape[0]
     key = _key(x, w, bias)
-    flush = torch.empty(256 << 20, dtype=torch.int8, device=x.device)
-    timings = {"torch": _time_ms(lambda: F.linear(x, w, bias), flush, reps)}
+    ws = weight_copies(w)
+    timings = {"torch": chain_ms(lambda wi: F.linear(x, wi, bias), ws, reps=reps)}
     best, best_ms = None, timings["torch"]
     for c in candidates(M, N, K, _sm_count(x.device), w.element_size()):
         try:
-            ms = _time_ms(lambda: skinny_linear(x, w, bias, c), flush, reps)
+            ms = chain_ms(lambda wi: skinny_linear(x, wi, bias, c), ws, reps=reps)
         except Exception as e:  # noqa: BLE001 - a configuration that does not build/fit is skipped
             log.debug("skinny_linear %s failed for %s: %s", c, key[:3], e)
             continue

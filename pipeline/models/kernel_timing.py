@@ -1,0 +1,54 @@
+"""Timing kernels the way a captured step runs them, for the per-shape tuners of the graph path's linears
+(`fused_linear.config_for`, `skinny_linear.tune`) and the GPU benchmarks.
+
+A decode step replays one CUDA graph: each linear runs right after the previous one (overlapped with it under
+programmatic dependent launch), its weight streamed from memory because the layers before it have pushed it out
+of L2. `chain_ms` times a candidate the same way: a chain of launches captured in one graph, each over its own
+copy of the weight (`weight_copies`: enough copies that the chain outgrows L2).
+
+Timing one launch alone after a write that flushes L2, as the tuners did before, ranked the candidates
+differently from how they ran in a step: on an H100 it picked fused-layer configurations up to 37% slower there,
+and its picks changed from one process to the next (BENCHMARKS.md, issue 5, Update 6; `ops/linear_chain_bench.py
+--configs`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+import torch
+
+
+def captured_ms(fn: Callable[[], object], reps: int = 5) -> float:
+    """Median milliseconds of one replay of `fn` captured in a CUDA graph (`fn` runs once before, uncaptured: it
+    may compile or tune there)."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        times.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in times)
+
+
+def weight_copies(w: torch.Tensor, l2_multiple: int = 4, most: int = 8) -> list[torch.Tensor]:
+    """`w` and as many clones as make `l2_multiple` times the device's L2 (at most `most` tensors in all; just
+    `w` where it alone is that large)."""
+    l2 = torch.cuda.get_device_properties(w.device).L2_cache_size
+    n = min(most, -(-l2_multiple * l2 // (w.numel() * w.element_size())))
+    return [w] + [w.clone() for _ in range(n - 1)]
+
+
+def chain_ms(launch: Callable[[torch.Tensor], object], weights: list[torch.Tensor], n: int = 8,
+             reps: int = 5) -> float:
+    """Milliseconds per launch of `launch(weights[i % len(weights)])` for i < n, captured in one CUDA graph
+    (`captured_ms`)."""
+    return captured_ms(lambda: [launch(weights[i % len(weights)]) for i in range(n)], reps) / n
