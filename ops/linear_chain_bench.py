@@ -140,14 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", action="store_true", help="also time every candidate configuration per kernel")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
+    variants = [v for v in a.variants.split(",") if v]
+    bad = ([v for v in variants if v not in VARIANTS] + [s for s in a.sets.split(",") if s not in SETS]
+           + [k for k in a.kinds.split(",") if k not in KINDS])
+    if bad:
+        print(f"linear_chain_bench: unknown variant, set or kind {bad[0]!r} (variants {VARIANTS}, sets "
+              f"{tuple(SETS)}, kinds {KINDS})", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("linear_chain_bench: needs a CUDA GPU", file=sys.stderr)
-        return 2
-    variants = [v for v in a.variants.split(",") if v]
-    bad = [v for v in variants if v not in VARIANTS] + [s for s in a.sets.split(",") if s not in SETS]
-    if bad:
-        print(f"linear_chain_bench: unknown variant or set {bad[0]!r} (variants {VARIANTS}, sets {tuple(SETS)})",
-              file=sys.stderr)
         return 2
     dev = torch.device("cuda")
     card, bw = torch.cuda.get_device_name(dev), copy_GBps()

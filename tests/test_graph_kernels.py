@@ -47,6 +47,44 @@ def test_default_config_splits_k_only_when_columns_are_few():
     assert small.block_n == 16 and small.splits > 1
 
 
+def test_fused_default_config_follows_the_chain_timings():
+    from pipeline.models import fused_linear as fl
+
+    # H100 (132 SMs), the chain's best per linear (ops/linear_chain_bench.py --configs): 32 columns while that
+    # still gives 0.7 programs per SM (8B, and 8B q/k/v at TP=2: 3072 columns), else 16 (the 1B's 2048 columns)
+    assert fl.default_config(1, 3072, 4096, 132) == fl.FusedConfig(32, 256, 4, 4)
+    assert fl.default_config(1, 2048, 8192, 132).block_n == 16
+    assert fl.default_config(1, 14336, 4096, 132, gate=True).block_k == 256
+
+
+def test_tuning_chains_outgrow_l2():
+    from pipeline.models.kernel_timing import copies_needed
+
+    l2 = 50 << 20  # H100
+    assert copies_needed(l2, 25 << 20) == 8  # 8B q/k/v at TP=2: 8 x 25 MB = 4x L2
+    assert copies_needed(l2, 67 << 20) == 3  # 1B gate/up: 201 MB
+    assert copies_needed(l2, 235 << 20) == 1  # 8B gate/up alone is 4.7x L2
+    assert copies_needed(l2, 8 << 20) == 8  # 1B's output projection: 64 MB, past L2
+    assert copies_needed(l2, 1 << 20) == 8  # capped (said in weight_copies' doc)
+    assert copies_needed(l2, 0) == 8 and copies_needed(0, 1 << 20) == 1
+
+
+def test_linear_chain_bench_refuses_in_one_line():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    bad = subprocess.run([sys.executable, "ops/linear_chain_bench.py", "--sets", "9b"], cwd=root,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("linear_chain_bench: unknown variant, set or kind '9b'")
+    assert len(bad.stderr.strip().splitlines()) == 1
+    if not torch.cuda.is_available():
+        cpu = subprocess.run([sys.executable, "ops/linear_chain_bench.py"], cwd=root, capture_output=True, text=True,
+                             timeout=120)
+        assert cpu.returncode == 2 and cpu.stderr.strip() == "linear_chain_bench: needs a CUDA GPU"
+
+
 def test_linear_dispatch():
     g = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(2, 3, 8, generator=g), torch.randn(5, 8, generator=g), torch.randn(5, generator=g)

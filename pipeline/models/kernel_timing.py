@@ -39,16 +39,23 @@ def captured_ms(fn: Callable[[], object], reps: int = 5) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in times)
 
 
+def copies_needed(l2_bytes: int, weight_bytes: int, l2_multiple: int = 4, most: int = 8) -> int:
+    """How many tensors of `weight_bytes` make `l2_multiple` times L2 (at least 1, at most `most`)."""
+    return max(1, min(most, -(-l2_multiple * l2_bytes // max(weight_bytes, 1))))
+
+
 def weight_copies(w: torch.Tensor, l2_multiple: int = 4, most: int = 8) -> list[torch.Tensor]:
-    """`w` and as many clones as make `l2_multiple` times the device's L2 (at most `most` tensors in all; just
-    `w` where it alone is that large)."""
+    """`w` and as many clones as make `l2_multiple` times the device's L2 (`copies_needed`; just `w` where it
+    alone is that large). Matrices so small that `most` copies fit in L2 (under 6 MB on an H100) are timed
+    partly from L2: at that size a launch's fixed cost, not its bytes, decides."""
     l2 = torch.cuda.get_device_properties(w.device).L2_cache_size
-    n = min(most, -(-l2_multiple * l2 // (w.numel() * w.element_size())))
+    n = copies_needed(l2, w.numel() * w.element_size(), l2_multiple, most)
     return [w] + [w.clone() for _ in range(n - 1)]
 
 
-def chain_ms(launch: Callable[[torch.Tensor], object], weights: list[torch.Tensor], n: int = 8,
-             reps: int = 5) -> float:
-    """Milliseconds per launch of `launch(weights[i % len(weights)])` for i < n, captured in one CUDA graph
-    (`captured_ms`)."""
+def chain_ms(launch: Callable[[torch.Tensor], object], weights: list[torch.Tensor], reps: int = 5,
+             least: int = 8) -> float:
+    """Milliseconds per launch of `launch(w)` over `weights` (cycled to at least `least` launches), captured in
+    one CUDA graph (`captured_ms`)."""
+    n = max(least, len(weights))
     return captured_ms(lambda: [launch(weights[i % len(weights)]) for i in range(n)], reps) / n
