@@ -18,10 +18,11 @@ L2, so every layer streams from memory).
 - "sweep": plain linears, K = 4096, N from 1024 to 16384; a least-squares line through (bytes, time per kernel)
   gives the fixed cost per kernel (intercept, us) and the streaming bandwidth (1 / slope).
 
-Variants (`--variants`): "late" (the RMSNorm prologue multiplies x by the norm weight in the K loop, and the sums by
-each row's 1/rms after it), "eager" (x * 1/rms rounded, then times the weight, rounded, in the loop: the eager
-roundings), "nopdl" (late, launched without PDL), "nonorm" (no RMSNorm prologue at all: what the norm costs). floor = weight bytes / copy bandwidth of the card
-(a 4 GiB device-to-device copy, bytes read + written over time).
+Variants (`--variants`): "late" (the RMSNorm prologue multiplies x by the norm weight in the K loop, and the sums
+by each row's 1/rms after it), "eager" (x * 1/rms rounded, then times the weight, rounded, in the loop: the eager
+roundings), "nopdl" (late, launched without PDL), "nonorm" (no RMSNorm prologue at all: what the norm costs).
+floor = weight bytes / copy bandwidth of the card (`check_skinny_linear.copy_GBps`: a 4 GiB device-to-device
+copy, bytes read + written over time).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ from pipeline.models import fused_linear as fl  # noqa: E402
 from pipeline.models import pdl  # noqa: E402
 from pipeline.models.kernel_timing import captured_ms  # noqa: E402
 
+from check_skinny_linear import copy_GBps  # noqa: E402 - ops/, this script's folder
+
 # (hidden, q width, k+v width, intermediate) of each rank's shard
 SETS = {
     "8b": (4096, 4096, 2048, 14336),
@@ -55,12 +58,6 @@ NORM_LATE = fl.NORM_LATE
 
 def log(msg: str) -> None:
     print(msg, flush=True)
-
-
-def copy_GBps(gib: float = 4.0) -> float:
-    n = int(gib * (1 << 30))
-    a, b = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
-    return 2 * n / captured_ms(lambda: b.copy_(a), reps=10) / 1e6
 
 
 def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:

@@ -77,7 +77,8 @@ def test_linear_chain_bench_refuses_in_one_line():
     root = Path(__file__).resolve().parents[1]
     bad = subprocess.run([sys.executable, "ops/linear_chain_bench.py", "--sets", "9b"], cwd=root,
                          capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and bad.stderr.strip().startswith("linear_chain_bench: unknown variant, set or kind '9b'")
+    assert bad.returncode == 2
+    assert bad.stderr.strip().startswith("linear_chain_bench: unknown variant, set or kind '9b'")
     assert len(bad.stderr.strip().splitlines()) == 1
     if not torch.cuda.is_available():
         cpu = subprocess.run([sys.executable, "ops/linear_chain_bench.py"], cwd=root, capture_output=True, text=True,

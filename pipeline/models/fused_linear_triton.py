@@ -159,7 +159,7 @@ def fused_linear_kernel(
             else:
                 nw = tl.load(NORM_W + offs_k, mask=offs_k < K, other=0.0).to(DT)
             if NORM_LATE:  # 1/rms scales the sums in the epilogue; here one product per element
-                x = _mul_rounded(x.to(DT), nw[None, :], DOT_IN_F32)
+                x = _mul_rounded(x, nw[None, :], DOT_IN_F32)  # x is already in DT (X.dtype)
             else:  # the eager roundings: (x * 1/rms) rounded, times the weight, rounded
                 x = _mul_rounded((x.to(tl.float32) * rstd[:, None]).to(DT), nw[None, :], DOT_IN_F32)
         else:

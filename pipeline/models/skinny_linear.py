@@ -11,9 +11,9 @@ reduction kernel (BENCHMARKS.md, issue 5). `skinny_linear_triton` is a split-K k
 - "auto": per shape (rows, columns, depth, dtypes, bias), the fastest of `F.linear` and the kernel's candidate
   configurations, timed once on the device as a captured chain of launches over copies of the weight
   (`kernel_timing.chain_ms`: the way a step runs them, each layer's weights evicting the last one's from L2);
-  the choice is cached for the process. Shapes are timed the
-  first time they run outside a CUDA-graph capture: the graph runner's warm-up, before it captures. A shape
-  first met during a capture takes `F.linear` (said once). Where triton is missing or the device is not
+  the choice is cached for the process. Shapes are timed the first time they run outside a CUDA-graph
+  capture: the graph runner's warm-up, before it captures. A shape first met during a capture takes
+  `F.linear` (said once). Where triton is missing or the device is not
   CUDA, "auto" is "torch".
 
 Rows past `MAX_ROWS` always take `F.linear`, and so do float32 weights under "auto". A float32 model's decode (T = 1)

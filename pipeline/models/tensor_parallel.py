@@ -576,8 +576,9 @@ def tensor_parallel_graphs(runner: LlamaCausalLM, config: Any = None, allreduce:
     it resolved to). With `allreduce="fused"` the fused layer serves calls of up to 16 rows instead, pushing its
     partial sums from its linears' epilogues (`pipeline.models.tp_fused`); larger calls take the swapped math
     with the "auto" reducer. "auto": "fused" at `FUSED_AUTO_RANKS` ranks where the fused layer runs (and sets
-    up), else the reducer's own "auto" (symm, else nccl). Its static logits come from the local output rows; they are gathered
-    here, after the graph (one all_gather per call). The embedding module does its own all_reduce inside the graph."""
+    up), else the reducer's own "auto" (symm, else nccl). Its static logits come from the local output rows;
+    they are gathered here, after the graph (one all_gather per call). The embedding module does its own
+    all_reduce inside the graph."""
     from pipeline.models import fused_linear as fl
     from pipeline.models import graphs
     from pipeline.models.skinny_linear import linear
