@@ -86,6 +86,22 @@ def test_linear_chain_bench_refuses_in_one_line():
         assert cpu.returncode == 2 and cpu.stderr.strip() == "linear_chain_bench: needs a CUDA GPU"
 
 
+def test_persistent_bench_refuses_in_one_line():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    bad = subprocess.run([sys.executable, "ops/persistent_bench.py", "--sets", "9b"], cwd=root,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+    assert bad.stderr.startswith("persistent_bench: bad arguments") and bad.stderr.strip().endswith(": 9b")
+    if not torch.cuda.is_available():
+        cpu = subprocess.run([sys.executable, "ops/persistent_bench.py"], cwd=root, capture_output=True, text=True,
+                             timeout=120)
+        assert cpu.returncode == 2 and cpu.stderr.strip() == "persistent_bench: needs a CUDA GPU"
+
+
 def test_linear_dispatch():
     g = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(2, 3, 8, generator=g), torch.randn(5, 8, generator=g), torch.randn(5, generator=g)

@@ -62,10 +62,13 @@ MAX_ROWS = 64
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 _SMEM_BUDGET = 160 * 1024
 # With PDL, each kernel may prefetch up to this many bytes of its weight rows into L2 before it waits on the
-# previous kernel. Off by default: on an H100 8 MB made 1B and 8B steps 2-5% slower (BENCHMARKS.md, issue 5).
+# previous kernel. Off by default: on an H100 8 MB made 1B and 8B steps 2-5% slower, and 0.5-4 MB made every
+# one-row step slower; 8B verify steps of 3-5 rows gained 2-3% on one machine and lost 2% on another (BENCHMARKS.md,
+# issue 5, Updates 5 and 7).
 PREFETCH_BYTES = int(float(os.environ.get("SPECSERVE_PDL_PREFETCH_MB", "0")) * (1 << 20))
 # With PDL, let the next kernel launch once this one's K loop is done ("late", the default) or as soon as it
-# has waited ("early"; measured 5-10% slower on an H100: the next kernel's waiting programs take its SMs).
+# has waited ("early"; measured 5-10% slower on an H100: the next kernel's waiting programs take its SMs; a
+# trigger after 25-90% of the K loop measured 6-15% slower, BENCHMARKS.md issue 5 Update 7).
 LATE_TRIGGER = os.environ.get("SPECSERVE_PDL_TRIGGER", "late") == "late"
 # The RMSNorm prologue: "late" multiplies the sums by each row's 1/rms after the K loop (the loop only multiplies x
 # by the norm weight); "eager" rounds x * 1/rms and then the product with the weight, as `graphs.rms_norm` does.
