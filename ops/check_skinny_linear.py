@@ -27,6 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.models import skinny_linear as sl  # noqa: E402
+from pipeline.models.kernel_timing import copy_GBps  # noqa: E402
 
 # (set, name, N, K): the per-rank weight shapes of Llama-3 8B / 3.2 1B / 3 70B (fused qkv and gate/up, as the
 # graph path holds them)
@@ -49,22 +50,6 @@ DEFAULT_SETS = "8b,1b,8b-tp2,8b-tp4,70b-tp4"
 # A kernel is off when its error passes max(2x F.linear's own, this) of the largest output: bf16/fp16 products
 # round to their dtype; float32 ones (tf32x3 against cuBLAS's FMA) must stay at float32 rounding level.
 FLOOR = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-5}
-
-
-def copy_GBps(gib: float = 4.0) -> float:
-    n = int(gib * (1 << 30))
-    a, b = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
-    b.copy_(a)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        b.copy_(a)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    del a, b
-    return 2 * n / (sorted(times)[2] / 1e3) / 1e9
 
 
 def main(argv: list[str] | None = None) -> int:

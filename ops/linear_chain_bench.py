@@ -21,7 +21,7 @@ L2, so every layer streams from memory).
 Variants (`--variants`): "late" (the RMSNorm prologue multiplies x by the norm weight in the K loop, and the sums
 by each row's 1/rms after it), "eager" (x * 1/rms rounded, then times the weight, rounded, in the loop: the eager
 roundings), "nopdl" (late, launched without PDL), "nonorm" (no RMSNorm prologue at all: what the norm costs).
-floor = weight bytes / copy bandwidth of the card (`check_skinny_linear.copy_GBps`: a 4 GiB device-to-device
+floor = weight bytes / copy bandwidth of the card (`kernel_timing.copy_GBps`: a 4 GiB device-to-device
 copy, bytes read + written over time).
 """
 
@@ -40,9 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.models import fused_linear as fl  # noqa: E402
 from pipeline.models import pdl  # noqa: E402
-from pipeline.models.kernel_timing import captured_ms  # noqa: E402
+from pipeline.models.kernel_timing import captured_ms, copy_GBps  # noqa: E402
 
-from check_skinny_linear import copy_GBps  # noqa: E402 - ops/, this script's folder
 
 # (hidden, q width, k+v width, intermediate) of each rank's shard
 SETS = {

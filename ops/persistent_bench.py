@@ -48,9 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline.models import fused_linear as fl  # noqa: E402
 from pipeline.models import pdl  # noqa: E402
 from pipeline.models.fused_linear_triton import _prefetch_rows_l2, _trap  # noqa: E402
-from pipeline.models.kernel_timing import captured_ms  # noqa: E402
+from pipeline.models.kernel_timing import captured_ms, copy_GBps  # noqa: E402
 
-from check_skinny_linear import copy_GBps  # noqa: E402 - ops/, this script's folder
 from linear_chain_bench import SETS  # noqa: E402
 
 M_PAD = 16  # rows of the tensor-core tile; row 0 is the vector, the rest zero

@@ -52,6 +52,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.models.base import ModelInfo  # noqa: E402
+from pipeline.models.kernel_timing import copy_GBps  # noqa: E402
 from pipeline.models.llama import LlamaArgs, LlamaCausalLM, Transformer  # noqa: E402
 from pipeline.models.tensor_parallel import (  # noqa: E402
     Slice, TensorParallelRunner, build_sharded_transformer, follow, init_tensor_parallel, make_plan,
@@ -104,15 +105,7 @@ def time_fn(fn: Callable[[], Any], cuda: bool, iters: int = 30, warmup: int = 3)
 
 
 def copy_bandwidth_GBps(device: torch.device, gib: float = 4.0) -> float:
-    if device.type != "cuda":
-        return float("nan")
-    n = int(gib * 2**30)
-    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    t = time_fn(lambda: dst.copy_(src), cuda=True, iters=20)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * n / (t["median_ms"] * 1e-3) / 1e9
+    return copy_GBps(device, gib) if device.type == "cuda" else float("nan")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Timing kernels the way a captured step runs them, for the per-shape tuners of the graph path's linears
-(`fused_linear.config_for`, `skinny_linear.tune`) and the GPU benchmarks.
+(`fused_linear.config_for`, `skinny_linear.tune`) and the GPU benchmarks; and the card's copy bandwidth, the
+floor every GPU benchmark divides by (`copy_GBps`).
 
 A decode step replays one CUDA graph: each linear runs right after the previous one (overlapped with it under
 programmatic dependent launch), its weight streamed from memory because the layers before it have pushed it out
@@ -59,3 +60,24 @@ def chain_ms(launch: Callable[[torch.Tensor], object], weights: list[torch.Tenso
     one CUDA graph (`captured_ms`)."""
     n = max(least, len(weights))
     return captured_ms(lambda: [launch(weights[i % len(weights)]) for i in range(n)], reps) / n
+
+
+def copy_GBps(device: torch.device | str = "cuda", gib: float = 4.0, iters: int = 20) -> float:
+    """The card's copy bandwidth, GB/s: bytes read + written by a `gib` GiB device-to-device copy over its median
+    time (CUDA events, after one warm-up copy). The bandwidth floor of the GPU benchmarks (ops/)."""
+    n = int(gib * (1 << 30))
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        times.append((start, end))
+    torch.cuda.synchronize(src.device)
+    ms = statistics.median(s.elapsed_time(e) for s, e in times)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n / (ms * 1e-3) / 1e9
