@@ -105,6 +105,19 @@ def _grid_barrier(CTR, target, spin_ns, SPIN_LIMIT: tl.constexpr, SLEEP_NS: tl.c
 
 
 @triton.jit
+def _phase(W, X, Y, N, K, W_NEXT, N_NEXT, K_NEXT, CTR, target, pid, G, spin_ns, MATVEC: tl.constexpr,
+           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PF_BYTES: tl.constexpr, SPIN_LIMIT: tl.constexpr,
+           SLEEP_NS: tl.constexpr):
+    """One matrix of the chain: Y = W X (MATVEC), the L2 prefetch of the next matrix's first rows (PF_BYTES),
+    then the grid barrier (the counter at `target`)."""
+    if MATVEC:
+        _matvec(W, X, Y, N, K, pid, G, BLOCK_N, BLOCK_K)
+    if PF_BYTES > 0:
+        _prefetch_next(W_NEXT, N_NEXT, K_NEXT, pid, G, BLOCK_N, PF_BYTES)
+    _grid_barrier(CTR, target, spin_ns, SPIN_LIMIT, SLEEP_NS)
+
+
+@triton.jit
 def persistent_chain(W_PTRS, X, B1, B2, B3, CTR, layers, spin_ns,
                      D: tl.constexpr, QKV: tl.constexpr, Q: tl.constexpr, I2: tl.constexpr, I: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PF_BYTES: tl.constexpr,
@@ -120,27 +133,16 @@ def persistent_chain(W_PTRS, X, B1, B2, B3, CTR, layers, spin_ns,
         w_o = tl.load(W_PTRS + 4 * l + 1).to(bf)
         w_gu = tl.load(W_PTRS + 4 * l + 2).to(bf)
         w_down = tl.load(W_PTRS + 4 * l + 3).to(bf)
-        if MATVEC:
-            _matvec(w_qkv, X, B1, QKV, D, pid, G, BLOCK_N, BLOCK_K)
-        if PF_BYTES > 0:
-            _prefetch_next(w_o, D, Q, pid, G, BLOCK_N, PF_BYTES)
-        _grid_barrier(CTR, (4 * l + 1) * G, spin_ns, SPIN_LIMIT, SLEEP_NS)
-        if MATVEC:
-            _matvec(w_o, B1, B2, D, Q, pid, G, BLOCK_N, BLOCK_K)
-        if PF_BYTES > 0:
-            _prefetch_next(w_gu, I2, D, pid, G, BLOCK_N, PF_BYTES)
-        _grid_barrier(CTR, (4 * l + 2) * G, spin_ns, SPIN_LIMIT, SLEEP_NS)
-        if MATVEC:
-            _matvec(w_gu, B2, B3, I2, D, pid, G, BLOCK_N, BLOCK_K)
-        if PF_BYTES > 0:
-            _prefetch_next(w_down, D, I, pid, G, BLOCK_N, PF_BYTES)
-        _grid_barrier(CTR, (4 * l + 3) * G, spin_ns, SPIN_LIMIT, SLEEP_NS)
-        if MATVEC:
-            _matvec(w_down, B3, X, D, I, pid, G, BLOCK_N, BLOCK_K)
-        if PF_BYTES > 0:
-            if l + 1 < layers:
-                _prefetch_next(tl.load(W_PTRS + 4 * l + 4).to(bf), QKV, D, pid, G, BLOCK_N, PF_BYTES)
-        _grid_barrier(CTR, (4 * l + 4) * G, spin_ns, SPIN_LIMIT, SLEEP_NS)
+        w_next = tl.load(W_PTRS + 4 * tl.minimum(l + 1, layers - 1)).to(bf)  # the next layer's q/k/v (or this one's)
+        base = 4 * l * G
+        _phase(w_qkv, X, B1, QKV, D, w_o, D, Q, CTR, base + G, pid, G, spin_ns, MATVEC, BLOCK_N, BLOCK_K,
+               PF_BYTES, SPIN_LIMIT, SLEEP_NS)
+        _phase(w_o, B1, B2, D, Q, w_gu, I2, D, CTR, base + 2 * G, pid, G, spin_ns, MATVEC, BLOCK_N, BLOCK_K,
+               PF_BYTES, SPIN_LIMIT, SLEEP_NS)
+        _phase(w_gu, B2, B3, I2, D, w_down, D, I, CTR, base + 3 * G, pid, G, spin_ns, MATVEC, BLOCK_N, BLOCK_K,
+               PF_BYTES, SPIN_LIMIT, SLEEP_NS)
+        _phase(w_down, B3, X, D, I, w_next, QKV, D, CTR, base + 4 * G, pid, G, spin_ns, MATVEC, BLOCK_N, BLOCK_K,
+               PF_BYTES, SPIN_LIMIT, SLEEP_NS)
 
 
 class Chain:
