@@ -69,37 +69,25 @@ def test_tuning_chains_outgrow_l2():
     assert copies_needed(l2, 0) == 8 and copies_needed(0, 1 << 20) == 1
 
 
-def test_linear_chain_bench_refuses_in_one_line():
+@pytest.mark.parametrize("script,bad_args,first_words", [
+    ("linear_chain_bench", ["--sets", "9b"], "linear_chain_bench: unknown variant, set or kind '9b'"),
+    ("persistent_bench", ["--sets", "9b"], "persistent_bench: bad arguments"),
+])
+def test_gpu_bench_scripts_refuse_in_one_line(script, bad_args, first_words):
+    """Bad arguments: one line, exit 2, before any GPU work; without a GPU: one line saying so."""
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    bad = subprocess.run([sys.executable, "ops/linear_chain_bench.py", "--sets", "9b"], cwd=root,
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2
-    assert bad.stderr.strip().startswith("linear_chain_bench: unknown variant, set or kind '9b'")
-    assert len(bad.stderr.strip().splitlines()) == 1
+    bad = subprocess.run([sys.executable, f"ops/{script}.py", *bad_args], cwd=root, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert bad.stderr.startswith(first_words) and "9b" in bad.stderr
     if not torch.cuda.is_available():
-        cpu = subprocess.run([sys.executable, "ops/linear_chain_bench.py"], cwd=root, capture_output=True, text=True,
+        cpu = subprocess.run([sys.executable, f"ops/{script}.py"], cwd=root, capture_output=True, text=True,
                              timeout=120)
-        assert cpu.returncode == 2 and cpu.stderr.strip() == "linear_chain_bench: needs a CUDA GPU"
-
-
-def test_persistent_bench_refuses_in_one_line():
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    bad = subprocess.run([sys.executable, "ops/persistent_bench.py", "--sets", "9b"], cwd=root,
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
-    assert bad.stderr.startswith("persistent_bench: bad arguments") and bad.stderr.strip().endswith(": 9b")
-    if not torch.cuda.is_available():
-        cpu = subprocess.run([sys.executable, "ops/persistent_bench.py"], cwd=root, capture_output=True, text=True,
-                             timeout=120)
-        assert cpu.returncode == 2 and cpu.stderr.strip() == "persistent_bench: needs a CUDA GPU"
+        assert cpu.returncode == 2 and cpu.stderr.strip() == f"{script}: needs a CUDA GPU"
 
 
 def test_linear_dispatch():
