@@ -16,6 +16,9 @@ measures the alternative before anyone builds it into the model: the same chain 
 - "persistent+pf": the same, each program asking L2 for the first `--pf-bytes` of its next matrix's rows before it
   waits at the barrier (weights never depend on the barrier);
 - "persistent+sleep": the same, with a `--sleep-ns` pause between a waiting program's polls of the counter;
+- "persistent 1-block": each program takes one column block of each product, BLOCK_N per product sized so the grid
+  covers it (`one_block_tiles`): the products' loops are then the K loop alone, as in a standalone kernel;
+  "unrolled": also the layer loop unrolled at compile time, so no K loop sits inside another loop;
 - "barriers only" (and "+sleep"): the persistent kernel without its products: what its 4 barriers a layer cost.
 
 Both give the same products (compared: max |difference| / max |value|, bf16 rounding per product in both). The
@@ -24,8 +27,9 @@ per-matrix fixed cost of each way is (excess per layer) / 4.
 
 Measured on an H100 (BENCHMARKS.md, issue 5, Update 7): a barrier costs 1.4 us, less than a launch's fixed cost
 in the chain, but the products inside the persistent kernel as written here stream at about half the chain's
-speed (167 registers a thread, 3 programs per SM), so "persistent" is 1.8-1.9x slower per layer. A persistent
-layer would pay only if its products ran as fast as the standalone kernels.
+speed (167 registers a thread, 3 programs per SM; one column block a program, even unrolled, was slower still),
+so "persistent" is 1.8-1.9x slower per layer. A persistent layer would pay only if its products ran as fast as
+the standalone kernels.
 
 The barrier needs every program resident at once: the grid is `blocks-per-sm` x SMs, checked against what the
 compiled kernel's registers and shared memory allow, and a barrier that waits over `--spin-timeout-s` traps
@@ -56,22 +60,33 @@ M_PAD = 16  # rows of the tensor-core tile; row 0 is the vector, the rest zero
 
 
 @triton.jit
-def _matvec(W, X, Y, N, K, pid, G, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Y[0, :N] = X[0, :K] @ W[N, K]^T (float32 sums, rounded to Y's dtype); program pid of G takes column blocks
-    pid, pid + G, ... X is read through L2 (.cg): other programs wrote it before the barrier."""
+def _column_block(W, X, Y, N, K, nb, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Y[0, nb's BLOCK_N columns] = X[0, :K] @ W[those rows, K]^T (float32 sums, rounded to Y's dtype). X is read
+    through L2 (.cg): other programs wrote it before the barrier."""
     offs_m = tl.arange(0, 16)
     row0 = (offs_m < 1)[:, None]
-    for nb in range(pid, tl.cdiv(N, BLOCK_N), G):
-        offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        w_rows = W + offs_n.to(tl.int64)[None, :] * K
-        acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(X + offs_m[:, None] * 0 + offs_k[None, :], mask=row0, other=0.0, cache_modifier=".cg")
-            w = tl.load(w_rows + offs_k[:, None], mask=n_ok[None, :], other=0.0)
-            acc += tl.dot(x, w)
-        tl.store(Y + offs_m[:, None] * 0 + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=row0 & n_ok[None, :])
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    w_rows = W + offs_n.to(tl.int64)[None, :] * K
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + offs_m[:, None] * 0 + offs_k[None, :], mask=row0, other=0.0, cache_modifier=".cg")
+        w = tl.load(w_rows + offs_k[:, None], mask=n_ok[None, :], other=0.0)
+        acc += tl.dot(x, w)
+    tl.store(Y + offs_m[:, None] * 0 + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=row0 & n_ok[None, :])
+
+
+@triton.jit
+def _matvec(W, X, Y, N, K, pid, G, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE: tl.constexpr):
+    """Y = X @ W^T over column blocks: ONE, program pid takes block pid only (the host sized BLOCK_N so that the
+    grid covers N), the K loop alone, as in a standalone kernel; else blocks pid, pid + G, ... (a loop around it)."""
+    if ONE:
+        if pid < tl.cdiv(N, BLOCK_N):
+            _column_block(W, X, Y, N, K, pid, BLOCK_N, BLOCK_K)
+    else:
+        for nb in range(pid, tl.cdiv(N, BLOCK_N), G):
+            _column_block(W, X, Y, N, K, nb, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -106,43 +121,76 @@ def _grid_barrier(CTR, target, spin_ns, SPIN_LIMIT: tl.constexpr, SLEEP_NS: tl.c
 
 @triton.jit
 def _phase(W, X, Y, N, K, W_NEXT, N_NEXT, K_NEXT, CTR, target, pid, G, spin_ns, MATVEC: tl.constexpr,
-           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PF_BYTES: tl.constexpr, SPIN_LIMIT: tl.constexpr,
-           SLEEP_NS: tl.constexpr):
+           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BN_NEXT: tl.constexpr, ONE: tl.constexpr,
+           PF_BYTES: tl.constexpr, SPIN_LIMIT: tl.constexpr, SLEEP_NS: tl.constexpr):
     """One matrix of the chain: Y = W X (MATVEC), the L2 prefetch of the next matrix's first rows (PF_BYTES),
     then the grid barrier (the counter at `target`)."""
     if MATVEC:
-        _matvec(W, X, Y, N, K, pid, G, BLOCK_N, BLOCK_K)
+        _matvec(W, X, Y, N, K, pid, G, BLOCK_N, BLOCK_K, ONE)
     if PF_BYTES > 0:
-        _prefetch_next(W_NEXT, N_NEXT, K_NEXT, pid, G, BLOCK_N, PF_BYTES)
+        _prefetch_next(W_NEXT, N_NEXT, K_NEXT, pid, G, BN_NEXT, PF_BYTES)
     _grid_barrier(CTR, target, spin_ns, SPIN_LIMIT, SLEEP_NS)
+
+
+@triton.jit
+def _layer(l, layers, W_PTRS, X, B1, B2, B3, CTR, spin_ns, pid, G,
+           D: tl.constexpr, QKV: tl.constexpr, Q: tl.constexpr, I2: tl.constexpr, I: tl.constexpr,
+           BN0: tl.constexpr, BK0: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr,
+           BN2: tl.constexpr, BK2: tl.constexpr, BN3: tl.constexpr, BK3: tl.constexpr,
+           PF_BYTES: tl.constexpr, SPIN_LIMIT: tl.constexpr, SLEEP_NS: tl.constexpr, MATVEC: tl.constexpr,
+           ONE: tl.constexpr):
+    """Layer l of `persistent_chain`: its four products, each followed by a grid barrier."""
+    bf = tl.pointer_type(tl.bfloat16)
+    w_qkv = tl.load(W_PTRS + 4 * l).to(bf)
+    w_o = tl.load(W_PTRS + 4 * l + 1).to(bf)
+    w_gu = tl.load(W_PTRS + 4 * l + 2).to(bf)
+    w_down = tl.load(W_PTRS + 4 * l + 3).to(bf)
+    w_next = tl.load(W_PTRS + 4 * tl.minimum(l + 1, layers - 1)).to(bf)  # the next layer's q/k/v (or this one's)
+    base = 4 * l * G
+    _phase(w_qkv, X, B1, QKV, D, w_o, D, Q, CTR, base + G, pid, G, spin_ns, MATVEC, BN0, BK0, BN1, ONE,
+           PF_BYTES, SPIN_LIMIT, SLEEP_NS)
+    _phase(w_o, B1, B2, D, Q, w_gu, I2, D, CTR, base + 2 * G, pid, G, spin_ns, MATVEC, BN1, BK1, BN2, ONE,
+           PF_BYTES, SPIN_LIMIT, SLEEP_NS)
+    _phase(w_gu, B2, B3, I2, D, w_down, D, I, CTR, base + 3 * G, pid, G, spin_ns, MATVEC, BN2, BK2, BN3, ONE,
+           PF_BYTES, SPIN_LIMIT, SLEEP_NS)
+    _phase(w_down, B3, X, D, I, w_next, QKV, D, CTR, base + 4 * G, pid, G, spin_ns, MATVEC, BN3, BK3, BN0, ONE,
+           PF_BYTES, SPIN_LIMIT, SLEEP_NS)
 
 
 @triton.jit
 def persistent_chain(W_PTRS, X, B1, B2, B3, CTR, layers, spin_ns,
                      D: tl.constexpr, QKV: tl.constexpr, Q: tl.constexpr, I2: tl.constexpr, I: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PF_BYTES: tl.constexpr,
-                     SPIN_LIMIT: tl.constexpr, SLEEP_NS: tl.constexpr = 0, MATVEC: tl.constexpr = True):
+                     BN0: tl.constexpr, BK0: tl.constexpr, BN1: tl.constexpr, BK1: tl.constexpr,
+                     BN2: tl.constexpr, BK2: tl.constexpr, BN3: tl.constexpr, BK3: tl.constexpr,
+                     PF_BYTES: tl.constexpr, SPIN_LIMIT: tl.constexpr, SLEEP_NS: tl.constexpr = 0,
+                     MATVEC: tl.constexpr = True, ONE: tl.constexpr = False, UNROLLED: tl.constexpr = 0):
     """Per layer l: B1 = W_qkv X; B2 = W_o B1[:Q]; B3 = W_gu B2; X = W_down B3[:I] (W_PTRS[l, 0..3] the four
-    matrices' addresses), a grid barrier after each product. CTR is 0 at launch. MATVEC False: the barriers
-    alone (what they cost)."""
+    matrices' addresses, BN_i x BK_i the tiles of product i), a grid barrier after each product. CTR is 0 at
+    launch. MATVEC False: the barriers alone (what they cost). ONE: one column block per program (`_matvec`).
+    UNROLLED > 0: the layer loop unrolled at compile time (that many layers; `layers` ignored), so each product's
+    K loop is outermost in its own code, as in a standalone kernel."""
     pid = tl.program_id(0)
     G = tl.num_programs(0)
-    bf = tl.pointer_type(tl.bfloat16)
-    for l in range(layers):
-        w_qkv = tl.load(W_PTRS + 4 * l).to(bf)
-        w_o = tl.load(W_PTRS + 4 * l + 1).to(bf)
-        w_gu = tl.load(W_PTRS + 4 * l + 2).to(bf)
-        w_down = tl.load(W_PTRS + 4 * l + 3).to(bf)
-        w_next = tl.load(W_PTRS + 4 * tl.minimum(l + 1, layers - 1)).to(bf)  # the next layer's q/k/v (or this one's)
-        base = 4 * l * G
-        _phase(w_qkv, X, B1, QKV, D, w_o, D, Q, CTR, base + G, pid, G, spin_ns, MATVEC, BLOCK_N, BLOCK_K,
-               PF_BYTES, SPIN_LIMIT, SLEEP_NS)
-        _phase(w_o, B1, B2, D, Q, w_gu, I2, D, CTR, base + 2 * G, pid, G, spin_ns, MATVEC, BLOCK_N, BLOCK_K,
-               PF_BYTES, SPIN_LIMIT, SLEEP_NS)
-        _phase(w_gu, B2, B3, I2, D, w_down, D, I, CTR, base + 3 * G, pid, G, spin_ns, MATVEC, BLOCK_N, BLOCK_K,
-               PF_BYTES, SPIN_LIMIT, SLEEP_NS)
-        _phase(w_down, B3, X, D, I, w_next, QKV, D, CTR, base + 4 * G, pid, G, spin_ns, MATVEC, BLOCK_N, BLOCK_K,
-               PF_BYTES, SPIN_LIMIT, SLEEP_NS)
+    if UNROLLED > 0:
+        for l in tl.static_range(UNROLLED):
+            _layer(l, UNROLLED, W_PTRS, X, B1, B2, B3, CTR, spin_ns, pid, G, D, QKV, Q, I2, I, BN0, BK0, BN1, BK1,
+                   BN2, BK2, BN3, BK3, PF_BYTES, SPIN_LIMIT, SLEEP_NS, MATVEC, ONE)
+    else:
+        for l in range(layers):
+            _layer(l, layers, W_PTRS, X, B1, B2, B3, CTR, spin_ns, pid, G, D, QKV, Q, I2, I, BN0, BK0, BN1, BK1,
+                   BN2, BK2, BN3, BK3, PF_BYTES, SPIN_LIMIT, SLEEP_NS, MATVEC, ONE)
+
+
+def one_block_tiles(ns: list[int], grid: int) -> list[tuple[int, int]]:
+    """Per product of N columns: (BLOCK_N, BLOCK_K) with BLOCK_N the smallest power of two >= 16 whose blocks the
+    grid covers at one block a program, and BLOCK_K keeping a weight tile at 16 KB (32 to 256)."""
+    out = []
+    for n in ns:
+        bn = 16
+        while -(-n // bn) > grid:
+            bn *= 2
+        out.append((bn, max(32, min(256, 8192 // bn))))
+    return out
 
 
 class Chain:
@@ -174,16 +222,26 @@ class Chain:
                 fl.fused_linear(self.b3[:, : self.I], wd, out=self.x, use_pdl=use_pdl)
         return run
 
-    def persistent(self, grid: int, block_n: int, block_k: int, pf_bytes: int, spin_s: float, warps: int,
-                   stages: int, sleep_ns: int = 0, matvec: bool = True):
+    def products(self) -> list[int]:
+        """Output columns of the four products."""
+        return [self.QKV, self.D, 2 * self.I, self.D]
+
+    def launch_args(self, tiles: list[tuple[int, int]], pf_bytes: int, spin_s: float, sleep_ns: int, matvec: bool,
+                    one: bool, unrolled: bool = False) -> tuple[tuple, dict]:
+        tile_kw = {f"{b}{i}": t[j] for i, t in enumerate(tiles) for j, b in enumerate(("BN", "BK"))}
+        return ((self.ptrs, self.x, self.b1, self.b2, self.b3, self.ctr, self.n, int(spin_s * 1e9)),
+                dict(D=self.D, QKV=self.QKV, Q=self.Q, I2=2 * self.I, I=self.I, **tile_kw, PF_BYTES=pf_bytes,
+                     SPIN_LIMIT=spin_s > 0, SLEEP_NS=sleep_ns, MATVEC=matvec, ONE=one,
+                     UNROLLED=self.n if unrolled else 0))
+
+    def persistent(self, grid: int, tiles: list[tuple[int, int]], pf_bytes: int, spin_s: float, warps: int,
+                   stages: int, sleep_ns: int = 0, matvec: bool = True, one: bool = False, unrolled: bool = False):
+        args, kw = self.launch_args(tiles, pf_bytes, spin_s, sleep_ns, matvec, one, unrolled)
+
         def run() -> None:
             self.x.copy_(self.x0)
             self.ctr.zero_()
-            persistent_chain[(grid,)](
-                self.ptrs, self.x, self.b1, self.b2, self.b3, self.ctr, self.n, int(spin_s * 1e9),
-                D=self.D, QKV=self.QKV, Q=self.Q, I2=2 * self.I, I=self.I, BLOCK_N=block_n, BLOCK_K=block_k,
-                PF_BYTES=pf_bytes, SPIN_LIMIT=spin_s > 0, SLEEP_NS=sleep_ns, MATVEC=matvec, num_warps=warps,
-                num_stages=stages)
+            persistent_chain[(grid,)](*args, **kw, num_warps=warps, num_stages=stages)
         return run
 
 
@@ -233,21 +291,27 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.synchronize()
         want = c.x.float().clone()
         ways = {"chain": c.chain(have_pdl)}
-        compiled = persistent_chain.warmup(
-            c.ptrs, c.x, c.b1, c.b2, c.b3, c.ctr, c.n, 0, D=c.D, QKV=c.QKV, Q=c.Q, I2=2 * c.I, I=c.I,
-            BLOCK_N=a.block_n, BLOCK_K=a.block_k, PF_BYTES=0, SPIN_LIMIT=True, num_warps=a.warps,
-            num_stages=a.stages, grid=(1,))
-        fits = resident_per_sm(compiled, a.warps)
-        per_sm = min(a.blocks_per_sm, fits)
-        grid = per_sm * sms
-        print(f"{s}: persistent kernel {compiled.n_regs} registers, {compiled.metadata.shared} B shared: "
-              f"{fits} programs fit per SM; grid {grid}", flush=True)
+        strided = [(a.block_n, a.block_k)] * 4
+        fits = sms
+        for one in (False, True):  # the fewest programs per SM either variant fits decides the grid
+            tiles = one_block_tiles(c.products(), a.blocks_per_sm * sms) if one else strided
+            args, kw = c.launch_args(tiles, 0, a.spin_timeout_s, 0, True, one)
+            compiled = persistent_chain.warmup(*args, **kw, num_warps=a.warps, num_stages=a.stages, grid=(1,))
+            fits = min(fits, resident_per_sm(compiled, a.warps))
+            print(f"{s}: persistent kernel ({'one block a program' if one else 'strided'}, tiles {tiles}) "
+                  f"{compiled.n_regs} registers, {compiled.metadata.shared} B shared: "
+                  f"{resident_per_sm(compiled, a.warps)} programs fit per SM", flush=True)
+        grid = min(a.blocks_per_sm, fits) * sms
+        one_tiles = one_block_tiles(c.products(), grid)
+        print(f"{s}: grid {grid}; one-block tiles {one_tiles}", flush=True)
         for name, pf, sleep in (("persistent", 0, 0), ("persistent+pf", a.pf_bytes, 0),
                                 ("persistent+sleep", 0, a.sleep_ns)):
-            ways[name] = c.persistent(grid, a.block_n, a.block_k, pf, a.spin_timeout_s, a.warps, a.stages, sleep)
+            ways[name] = c.persistent(grid, strided, pf, a.spin_timeout_s, a.warps, a.stages, sleep)
+        ways["persistent 1-block"] = c.persistent(grid, one_tiles, 0, a.spin_timeout_s, a.warps, a.stages, one=True)
+        ways["persistent 1-block unrolled"] = c.persistent(grid, one_tiles, 0, a.spin_timeout_s, a.warps, a.stages,
+                                                           one=True, unrolled=True)
         for name, sleep in (("barriers only", 0), ("barriers only+sleep", a.sleep_ns)):
-            ways[name] = c.persistent(grid, a.block_n, a.block_k, 0, a.spin_timeout_s, a.warps, a.stages, sleep,
-                                      matvec=False)
+            ways[name] = c.persistent(grid, strided, 0, a.spin_timeout_s, a.warps, a.stages, sleep, matvec=False)
         for name, fn in ways.items():
             fn()
             torch.cuda.synchronize()
