@@ -293,14 +293,15 @@ def main(argv: list[str] | None = None) -> int:
         ways = {"chain": c.chain(have_pdl)}
         strided = [(a.block_n, a.block_k)] * 4
         fits = sms
-        for one in (False, True):  # the fewest programs per SM either variant fits decides the grid
+        for one, unrolled in ((False, False), (True, False), (True, True)):  # the fewest that fit decide the grid
             tiles = one_block_tiles(c.products(), a.blocks_per_sm * sms) if one else strided
-            args, kw = c.launch_args(tiles, 0, a.spin_timeout_s, 0, True, one)
+            args, kw = c.launch_args(tiles, 0, a.spin_timeout_s, 0, True, one, unrolled)
             compiled = persistent_chain.warmup(*args, **kw, num_warps=a.warps, num_stages=a.stages, grid=(1,))
             fits = min(fits, resident_per_sm(compiled, a.warps))
-            print(f"{s}: persistent kernel ({'one block a program' if one else 'strided'}, tiles {tiles}) "
-                  f"{compiled.n_regs} registers, {compiled.metadata.shared} B shared: "
-                  f"{resident_per_sm(compiled, a.warps)} programs fit per SM", flush=True)
+            print(f"{s}: persistent kernel ({'one block a program' if one else 'strided'}"
+                  f"{', unrolled' if unrolled else ''}, tiles {tiles}) {compiled.n_regs} registers, "
+                  f"{compiled.metadata.shared} B shared: {resident_per_sm(compiled, a.warps)} programs fit per SM",
+                  flush=True)
         grid = min(a.blocks_per_sm, fits) * sms
         one_tiles = one_block_tiles(c.products(), grid)
         print(f"{s}: grid {grid}; one-block tiles {one_tiles}", flush=True)
