@@ -18,7 +18,9 @@ measures the alternative before anyone builds it into the model: the same chain 
 - "persistent+sleep": the same, with a `--sleep-ns` pause between a waiting program's polls of the counter;
 - "persistent 1-block": each program takes one column block of each product, BLOCK_N per product sized so the grid
   covers it (`one_block_tiles`): the products' loops are then the K loop alone, as in a standalone kernel;
-  "unrolled": also the layer loop unrolled at compile time, so no K loop sits inside another loop;
+  "unrolled": also the layer loop unrolled at compile time, so no K loop sits inside another loop; "x via L1
+  (unsafe)": one block a program with the input read through L1, a diagnostic of what the .cg loads cost (L1 is not
+  coherent across SMs, so it may read a stale line; its error column says);
 - "barriers only" (and "+sleep"): the persistent kernel without its products: what its 4 barriers a layer cost.
 
 Both give the same products (compared: max |difference| / max |value|, bf16 rounding per product in both). The
@@ -60,9 +62,10 @@ M_PAD = 16  # rows of the tensor-core tile; row 0 is the vector, the rest zero
 
 
 @triton.jit
-def _column_block(W, X, Y, N, K, nb, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _column_block(W, X, Y, N, K, nb, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, L1: tl.constexpr):
     """Y[0, nb's BLOCK_N columns] = X[0, :K] @ W[those rows, K]^T (float32 sums, rounded to Y's dtype). X is read
-    through L2 (.cg): other programs wrote it before the barrier."""
+    through L2 (.cg): other programs wrote it before the barrier. L1: through L1 instead, which may read a stale
+    line (a diagnostic: how much the .cg loads cost; its error column says whether it went wrong)."""
     offs_m = tl.arange(0, 16)
     row0 = (offs_m < 1)[:, None]
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -71,7 +74,10 @@ def _column_block(W, X, Y, N, K, nb, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexp
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(X + offs_m[:, None] * 0 + offs_k[None, :], mask=row0, other=0.0, cache_modifier=".cg")
+        if L1:
+            x = tl.load(X + offs_m[:, None] * 0 + offs_k[None, :], mask=row0, other=0.0)
+        else:
+            x = tl.load(X + offs_m[:, None] * 0 + offs_k[None, :], mask=row0, other=0.0, cache_modifier=".cg")
         w = tl.load(w_rows + offs_k[:, None], mask=n_ok[None, :], other=0.0)
         acc += tl.dot(x, w)
     tl.store(Y + offs_m[:, None] * 0 + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=row0 & n_ok[None, :])
@@ -79,14 +85,15 @@ def _column_block(W, X, Y, N, K, nb, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexp
 
 @triton.jit
 def _matvec(W, X, Y, N, K, pid, G, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE: tl.constexpr):
-    """Y = X @ W^T over column blocks: ONE, program pid takes block pid only (the host sized BLOCK_N so that the
-    grid covers N), the K loop alone, as in a standalone kernel; else blocks pid, pid + G, ... (a loop around it)."""
+    """Y = X @ W^T over column blocks: ONE (1, or 2: X through L1), program pid takes block pid only (the host sized
+    BLOCK_N so that the grid covers N), the K loop alone, as in a standalone kernel; else blocks pid, pid + G, ...
+    (a loop around it)."""
     if ONE:
         if pid < tl.cdiv(N, BLOCK_N):
-            _column_block(W, X, Y, N, K, pid, BLOCK_N, BLOCK_K)
+            _column_block(W, X, Y, N, K, pid, BLOCK_N, BLOCK_K, ONE == 2)
     else:
         for nb in range(pid, tl.cdiv(N, BLOCK_N), G):
-            _column_block(W, X, Y, N, K, nb, BLOCK_N, BLOCK_K)
+            _column_block(W, X, Y, N, K, nb, BLOCK_N, BLOCK_K, False)
 
 
 @triton.jit
@@ -227,7 +234,7 @@ class Chain:
         return [self.QKV, self.D, 2 * self.I, self.D]
 
     def launch_args(self, tiles: list[tuple[int, int]], pf_bytes: int, spin_s: float, sleep_ns: int, matvec: bool,
-                    one: bool, unrolled: bool = False) -> tuple[tuple, dict]:
+                    one: int, unrolled: bool = False) -> tuple[tuple, dict]:
         tile_kw = {f"{b}{i}": t[j] for i, t in enumerate(tiles) for j, b in enumerate(("BN", "BK"))}
         return ((self.ptrs, self.x, self.b1, self.b2, self.b3, self.ctr, self.n, int(spin_s * 1e9)),
                 dict(D=self.D, QKV=self.QKV, Q=self.Q, I2=2 * self.I, I=self.I, **tile_kw, PF_BYTES=pf_bytes,
@@ -235,7 +242,7 @@ class Chain:
                      UNROLLED=self.n if unrolled else 0))
 
     def persistent(self, grid: int, tiles: list[tuple[int, int]], pf_bytes: int, spin_s: float, warps: int,
-                   stages: int, sleep_ns: int = 0, matvec: bool = True, one: bool = False, unrolled: bool = False):
+                   stages: int, sleep_ns: int = 0, matvec: bool = True, one: int = 0, unrolled: bool = False):
         args, kw = self.launch_args(tiles, pf_bytes, spin_s, sleep_ns, matvec, one, unrolled)
 
         def run() -> None:
@@ -311,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         ways["persistent 1-block"] = c.persistent(grid, one_tiles, 0, a.spin_timeout_s, a.warps, a.stages, one=True)
         ways["persistent 1-block unrolled"] = c.persistent(grid, one_tiles, 0, a.spin_timeout_s, a.warps, a.stages,
                                                            one=True, unrolled=True)
+        ways["1-block, x via L1 (unsafe)"] = c.persistent(grid, one_tiles, 0, a.spin_timeout_s, a.warps, a.stages,
+                                                          one=2)
         for name, sleep in (("barriers only", 0), ("barriers only+sleep", a.sleep_ns)):
             ways[name] = c.persistent(grid, strided, 0, a.spin_timeout_s, a.warps, a.stages, sleep, matvec=False)
         for name, fn in ways.items():
