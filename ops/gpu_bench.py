@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.models.graphs import GraphCausalLM, GraphConfig, plan_shape  # noqa: E402
+from pipeline.models.graphs import GraphCausalLM, GraphConfig  # noqa: E402
 from pipeline.models.kernel_timing import copy_GBps  # noqa: E402
 from pipeline.models.shapes import SHAPES, kv_bytes_per_token, random_llama, weight_bytes_read  # noqa: E402
 
@@ -161,7 +161,7 @@ def bench_ours(shape: str, batches: list[int], Ts: list[int], context: int, eage
             torch.cuda.synchronize()
             first_s = time.perf_counter() - t_first
             step = time_fn(lambda: graph.forward(tokens, positions, slots))
-            key = plan_shape(B, T, context, graph.max_len, graph.config)
+            key = graph.shape_for(B, T, context)
             replay = time_fn(graph._graphs[key].graph.replay)
             row = {"impl": "ours-graph", "model": shape, "B": B, "T": T, "ms": step["median_ms"], "p90_ms": step["p90_ms"],
                    "replay_ms": replay["median_ms"], "bucket": key, "first_call_s": first_s,
@@ -343,7 +343,7 @@ def profile_breakdown(shape: str, cases: list[tuple[int, int]], context: int, at
         tokens = torch.randint(0, SHAPES[shape].vocab_size, (B, T), device=dev)
         positions, slots = torch.full((B,), context, dtype=torch.int64), torch.arange(B)
         graph.forward(tokens, positions, slots)
-        g = graph._graphs[plan_shape(B, T, context, graph.max_len, graph.config)].graph
+        g = graph._graphs[graph.shape_for(B, T, context)].graph
         torch.cuda.synchronize()
         reps = 5
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -573,6 +573,10 @@ def run_concurrent(folder: str, args) -> dict:
     model, tok = load_model(folder, device=args.device, dtype=args.demo_dtype)
     engine = SpeculativeEngine(model, tok, None, EngineConfig(max_batch_size=n, max_seq_len=2048, device=args.device))
     sync = torch.cuda.synchronize if torch.device(args.device).type == "cuda" else (lambda: None)
+    warm = engine.warmup(args.k) if args.warmup else None  # every step shape captured before any round
+    if warm is not None:
+        log(f"warm-up: {warm['captures']} graphs captured in {warm['seconds']:.1f} s")
+    gc_pause = _GcClock()
     by_cat: dict[str, list] = {}
     for s in load_prompts(args.prompts, 100):
         by_cat.setdefault(s.category, []).append(s)
@@ -594,6 +598,9 @@ def run_concurrent(folder: str, args) -> dict:
         for name in order:
             drafter, policy = variants[name]
             engine.drafter, engine.k_policy = drafter, policy
+            stats = getattr(engine.target, "stats", None)
+            before = (getattr(stats, "captures", 0), getattr(stats, "capture_s", 0.0), gc_pause.seconds,
+                      dict(engine.timings.steps_by_k))
             sync()
             t0 = time.perf_counter()
             res = engine.generate_batch(ids, params, SpecParams(num_draft_tokens=args.k))
@@ -602,10 +609,17 @@ def run_concurrent(folder: str, args) -> dict:
             tokens = sum(len(r.token_ids) for r in res)
             passes = sum(r.stats.get("target_passes") or 0 for r in res)
             outputs[name] = [r.token_ids for r in res]
+            steps_by_k = {k: c - before[3].get(k, 0) for k, c in engine.timings.steps_by_k.items()
+                          if c > before[3].get(k, 0)}
             if rnd > 0:
                 runs[name].append({"tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt,
-                                   "tokens_per_pass": tokens / passes if passes else None})
-                log(f"concurrent round {rnd} {name}: {tokens} tokens in {dt:.2f} s = {tokens / dt:.0f} tok/s")
+                                   "tokens_per_pass": tokens / passes if passes else None,
+                                   "captures": getattr(stats, "captures", 0) - before[0],
+                                   "capture_s": getattr(stats, "capture_s", 0.0) - before[1],
+                                   "gc_s": gc_pause.seconds - before[2], "steps_by_k": steps_by_k})
+                r = runs[name][-1]
+                log(f"concurrent round {rnd} {name}: {tokens} tokens in {dt:.2f} s = {tokens / dt:.0f} tok/s; "
+                    f"captures {r['captures']} ({r['capture_s']:.2f} s), gc {r['gc_s']:.3f} s, steps by K {steps_by_k}")
     for name in names:
         policy = variants[name][1]
         tps = [r["tokens_per_s"] for r in runs[name]]
@@ -613,9 +627,19 @@ def run_concurrent(folder: str, args) -> dict:
                      "tokens_per_s_runs": tps, "tokens_per_pass": runs[name][-1]["tokens_per_pass"],
                      "k_costs": {str(k): v for k, v in policy.costs(n).items()} if policy else None,
                      "alpha": policy.alpha if policy else None}
+        out[name]["captures"] = sum(r["captures"] for r in runs[name])
+        out[name]["capture_s"] = sum(r["capture_s"] for r in runs[name])
+        out[name]["gc_s"] = sum(r["gc_s"] for r in runs[name])
+        out[name]["rounds"] = runs[name]
         if name != "off":  # paired: each round's ratio to that round's speculation-off run
-            out[name]["paired_ratio_median"] = statistics.median(
-                r["tokens_per_s"] / o["tokens_per_s"] for r, o in zip(runs[name], runs["off"]))
+            ratios = [r["tokens_per_s"] / o["tokens_per_s"] for r, o in zip(runs[name], runs["off"])]
+            out[name]["paired_ratio_median"] = statistics.median(ratios)
+            out[name]["paired_ratio_range"] = [min(ratios), max(ratios)]
+            # all rounds' tokens over all rounds' time, against the same for speculation off
+            out[name]["aggregate_ratio"] = (sum(r["tokens"] for r in runs[name]) / sum(r["seconds"] for r in runs[name])
+                                            / (sum(o["tokens"] for o in runs["off"]) / sum(o["seconds"] for o in runs["off"])))
+    gc_pause.stop()
+    out["warmup"] = warm
     out["outputs_equal"] = outputs["off"] == outputs["fixed-K"] == outputs["adaptive-K"]
     out["graph_stats"] = {"captures": engine.target.stats.captures, "graph_calls": engine.target.stats.graph_calls,
                           "eager_calls": engine.target.stats.eager_calls} if hasattr(engine.target, "stats") else None
@@ -623,18 +647,42 @@ def run_concurrent(folder: str, args) -> dict:
 
 
 def concurrent_table(c: dict) -> str:
+    warm = c.get("warmup")
     lines = [f"{c['requests']} concurrent requests, max_tokens {c['max_tokens']}, {c['dtype']}, prompt lookup, K<={c['k']}, "
-             f"median of {c.get('repeats', 1)} rotated rounds:",
-             "| variant | tokens/s (median) | rounds | x off (paired median) | tokens per target pass |", "|---|---|---|---|---|"]
+             f"median of {c.get('repeats', 1)} rotated rounds; warm-up "
+             + (f"{warm['captures']} graphs in {warm['seconds']:.1f} s" if warm else "off") + ":",
+             "| variant | tokens/s (median) | rounds | x off (paired median) | x off (all rounds) | tokens per target pass "
+             "| captures in rounds (s) | gc s |",
+             "|---|---|---|---|---|---|---|---|"]
     for name in ("off", "fixed-K", "adaptive-K"):
         v = c.get(name)
         if v:
             tpp = "-" if v["tokens_per_pass"] is None else f"{v['tokens_per_pass']:.2f}"
             each = ", ".join(f"{t:.0f}" for t in v.get("tokens_per_s_runs", [v["tokens_per_s"]]))
-            ratio = v.get("paired_ratio_median")
-            lines.append(f"| {name} | {v['tokens_per_s']:.0f} | {each} | {'-' if ratio is None else f'{ratio:.3f}'} | {tpp} |")
+            ratio, agg = v.get("paired_ratio_median"), v.get("aggregate_ratio")
+            lines.append(f"| {name} | {v['tokens_per_s']:.0f} | {each} | {'-' if ratio is None else f'{ratio:.3f}'} | "
+                         f"{'-' if agg is None else f'{agg:.3f}'} | {tpp} | {v.get('captures', '-')} "
+                         f"({v.get('capture_s', 0.0):.2f}) | {v.get('gc_s', 0.0):.2f} |")
     lines.append(f"outputs identical across variants: {c.get('outputs_equal')}")
     return "\n".join(lines)
+
+
+class _GcClock:
+    """Seconds the garbage collector paused this process while installed (gc.callbacks)."""
+
+    def __init__(self) -> None:
+        self.seconds, self._t0 = 0.0, 0.0
+        gc.callbacks.append(self._tick)
+
+    def _tick(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+
+    def stop(self) -> None:
+        if self._tick in gc.callbacks:
+            gc.callbacks.remove(self._tick)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -663,6 +711,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrent", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3, help="(concurrent part) timed rounds after the warm-up round")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="(concurrent part) capture graphs on first use instead of before the rounds")
     p.add_argument("--demo-dtype", default="float32")
     p.add_argument("--device", default="cuda", help="(demo part) device of the engine and HF models")
 

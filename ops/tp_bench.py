@@ -154,7 +154,7 @@ def info_of(shape: str, a: LlamaArgs) -> ModelInfo:
 
 def bench_rank(rank: int, world: int, init_method: str, shape: str, args: argparse.Namespace, tp: Any = None) -> None:
     """One rank of one (shape, N) run. `tp`: an existing group (torchrun, several shapes); else one is made."""
-    from pipeline.models.graphs import GraphCausalLM, GraphConfig, plan_shape
+    from pipeline.models.graphs import GraphCausalLM, GraphConfig
 
     cuda = args.device == "cuda"
     if cuda:
@@ -226,7 +226,7 @@ def bench_rank(rank: int, world: int, init_method: str, shape: str, args: argpar
                 step = time_fn(lambda: fast.forward(tokens, positions, slots), cuda, iters=args.iters)
                 row = {"B": B, "T": T, "ms": step["median_ms"], "p90_ms": step["p90_ms"], "first_call_s": first_s,
                        "allreduce": resolved}
-                entry = fast._graphs.get(plan_shape(B, T, args.context, fast.max_len, fast.config))
+                entry = fast._graphs.get(fast.shape_for(B, T, args.context))
                 if entry is not None and entry.graph is not None:
                     row["replay_ms"] = time_fn(entry.graph.replay, cuda, iters=args.iters)["median_ms"]
                 if B == 1 and T == 1 and vi == 0:

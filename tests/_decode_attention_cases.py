@@ -18,7 +18,9 @@ import os
 import sys
 from dataclasses import replace
 
-# (id, dtype, D, G, T, S, window, num_splits, B): B rows, the last one a padding row on the scratch slot
+# (id, dtype, D, G, T, S, window, num_splits, B[, longest]): B rows, the last one a padding row on the scratch
+# slot; the longest row reads keys up to `longest` (default S). longest < S: S is only the grid's capacity, as on
+# the graph path (S = the cache length), and the kernels size the chunks from the rows' own positions.
 KERNEL_CASES = [
     ("f32-D64-G4-T1", "float32", 64, 4, 1, 200, None, None, 4),
     ("f32-D64-G4-T5", "float32", 64, 4, 5, 200, None, None, 4),
@@ -33,6 +35,10 @@ KERNEL_CASES = [
     ("bf16-D64-G3-T5-split1", "bfloat16", 64, 3, 5, 200, None, 1, 4),
     ("f16-D64-G4-T5", "float16", 64, 4, 5, 256, None, None, 4),
     ("f16-D128-G1-T1-win", "float16", 128, 1, 1, 200, 20, 4, 3),
+    ("f32-D64-G4-T1-cap", "float32", 64, 4, 1, 1024, None, 6, 4, 300),  # 6 splits for 1,024 keys; 5 hold 300
+    ("f32-D64-G3-T5-cap-auto", "float32", 64, 3, 5, 2000, None, None, 4, 150),
+    ("bf16-D128-G4-T5-cap", "bfloat16", 128, 4, 5, 2048, None, 8, 4, 333),
+    ("f32-D128-G4-T5-win-cap", "float32", 128, 4, 5, 2048, 64, 8, 4, 333),
 ]
 GRAPH_CASES = ["graph-gqa", "graph-window"]
 # Max error relative to the largest output value. bf16: the interpreter rounds bf16 by truncation (the GPU to
@@ -40,14 +46,15 @@ GRAPH_CASES = ["graph-gqa", "graph-window"]
 TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 3e-3}
 
 
-def kernel_case(torch, da, dtype_name: str, D: int, G: int, T: int, S: int, window, num_splits, B: int) -> dict:
+def kernel_case(torch, da, dtype_name: str, D: int, G: int, T: int, S: int, window, num_splits, B: int,
+                longest: int | None = None) -> dict:
     dtype = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(D * 1000 + G * 100 + T * 10 + S)
     num_slots, Hkv, max_len = 6, 2, S + 40  # the scratch slot is the last one
     k_cache = torch.randn(num_slots, Hkv, max_len, D, generator=g).to(dtype)
     v_cache = torch.randn(num_slots, Hkv, max_len, D, generator=g).to(dtype)
     slots = torch.tensor([4, 0, 2, 1, 3][: B - 1] + [num_slots - 1])  # arbitrary order; last row: padding
-    top = S - T  # the longest row reads right up to S
+    top = (longest or S) - T  # the longest row reads right up to S (or `longest`)
     starts = torch.tensor([top, 0, top // 3, 7, top - 1][: B - 1] + [0])
     pos = starts[:, None] + torch.arange(T)  # [B, T]
     q = torch.randn(B, G * T, Hkv, D, generator=g).to(dtype).transpose(1, 2)  # non-contiguous [B, Hkv, G*T, D]

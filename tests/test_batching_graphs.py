@@ -51,6 +51,25 @@ def test_plan_shape_table(B, T, max_pos, max_len, expected):
     assert plan_shape(B, T, max_pos, max_len, STATIC) == expected
 
 
+@pytest.mark.parametrize("B, T, max_pos, expected", [(1, 1, 0, (1, 1, 96)), (3, 5, 40, (4, 8, 96)), (1, 3, 93, None)])
+def test_plan_shape_whole_cache_ignores_the_context(B, T, max_pos, expected):
+    """The Triton attention's shapes: keys are not bucketed (one graph per (Bb, Tb) for every context)."""
+    assert plan_shape(B, T, max_pos, 96, STATIC, whole_cache=True) == expected
+
+
+def test_shape_for_follows_the_attention(tiny_models):
+    """A graph runner keys its graphs by context only where its attention reads the keys up to S (SDPA)."""
+    g = _graph(tiny_models["llama"])
+    assert g.attention == "sdpa" and g.shape_for(3, 1, 16) == (4, 1, 32)
+    g.attention = "triton"  # (its kernel is not run here)
+    assert g.shape_for(3, 1, 16) == g.shape_for(3, 1, 70) == (4, 1, g.max_len)
+
+
+def test_warmup_without_cuda_graphs_captures_nothing(tiny_models):
+    g = _graph(tiny_models["llama"])
+    assert g.warmup(4, 5) == 0 and g.stats.captures == 0 and g.stats.graph_calls == 0
+
+
 def test_bucket():
     assert [bucket(n, (1, 2, 4, 8)) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
 

@@ -15,7 +15,9 @@ Two implementations of one signature, `(q, k_cache, v_cache, slots, pos, S, scal
   and stop at each query block's last visible key. The key axis is cut into chunks spread over programs, so
   one row still fills the GPU, and a second small kernel merges the chunks (log-sum-exp); one chunk (large
   batches) writes the output directly. Float32 accumulation; bf16/fp16/fp32 inputs; any head_dim (padded to a
-  power of two, >= 16). No host sync and a grid fixed by the shapes and S: capturable in a CUDA graph. On
+  power of two, >= 16). No host sync and a grid fixed by the shapes and S: capturable in a CUDA graph. Each
+  block sizes its key chunks from its own positions, so S only bounds the grid: the graph path passes the
+  cache length and one graph serves every context length. On
   CPU tensors it runs in Triton's interpreter (TRITON_INTERPRET=1 before triton's import; the tests).
 
 `triton` is imported lazily: this module (and `pipeline`) imports without it.
@@ -102,9 +104,14 @@ def _sm_count(device: torch.device) -> int:
     return 8  # the interpreter: a few splits, so tests exercise the combine
 
 
-def plan_splits(S: int, programs: int, block_n: int, sm_count: int, min_chunk: int = 128) -> tuple[int, int]:
-    """(num_splits, chunk): cut the S keys into chunks of >= min_chunk keys (a multiple of block_n) until
-    about two programs per multiprocessor run; `programs` = the grid without the split axis."""
+MIN_CHUNK = 128  # keys a split program takes at least (fewer are not worth a program and a partial)
+
+
+def plan_splits(S: int, programs: int, block_n: int, sm_count: int, min_chunk: int = MIN_CHUNK) -> tuple[int, int]:
+    """(num_splits, chunk) for S keys: chunks of >= min_chunk keys (a multiple of block_n), as many as make about
+    two programs per multiprocessor; `programs` = the grid without the split axis. The kernel sizes each
+    block's chunks from its own length in the same way (`decode_attention_triton._chunk`), so S here only
+    bounds the grid."""
     max_splits = max(1, -(-S // max(min_chunk, block_n)))
     want = -(-2 * sm_count // max(programs, 1))
     splits = max(1, min(max_splits, want))
@@ -127,11 +134,13 @@ def launch_plan(B: int, Hkv: int, M: int, D: int, S: int, device: torch.device, 
     m_blocks = -(-M // block_m)
     if num_splits is None:
         num_splits, chunk = plan_splits(S, B * Hkv * m_blocks, block_n, _sm_count(device))
-    else:
+        min_chunk = -(-MIN_CHUNK // block_n) * block_n
+    else:  # forced (tests, tuning): chunks as small as one key block, so short contexts use the splits too
         chunk = -(-(-(-S // num_splits)) // block_n) * block_n
         num_splits = -(-S // chunk)
+        min_chunk = block_n
     return {"BLOCK_D": block_d, "BLOCK_M": block_m, "BLOCK_N": block_n, "m_blocks": m_blocks,
-            "num_splits": num_splits, "chunk": chunk}
+            "num_splits": num_splits, "chunk": chunk, "min_chunk": min_chunk}
 
 
 def triton_slot_attention(
@@ -140,7 +149,7 @@ def triton_slot_attention(
     v_cache: torch.Tensor,
     slots: torch.Tensor,  # [B] int64 (or int32)
     pos: torch.Tensor,  # [B, T] int64 absolute positions
-    S: int,  # keys read per row at most (<= max_len); a Python int: fixes the grid
+    S: int,  # keys read per row at most (<= max_len); a Python int: bounds the grid (the split count)
     scale: float,
     window: int | None = None,
     num_splits: int | None = None,  # None: plan_splits (tests and the tuning script force it)
@@ -166,7 +175,7 @@ def triton_slot_attention(
 
     plan = launch_plan(B, Hkv, M, D, S, q.device, num_splits, block_n)
     BLOCK_D, BLOCK_M, BLOCK_N, m_blocks = plan["BLOCK_D"], plan["BLOCK_M"], plan["BLOCK_N"], plan["m_blocks"]
-    num_splits, chunk = plan["num_splits"], plan["chunk"]
+    num_splits, min_chunk = plan["num_splits"], plan["min_chunk"]
     warps = num_warps or (8 if BLOCK_M * BLOCK_D >= 64 * 128 else 4)
     stages = num_stages or 2
     single = num_splits == 1
@@ -181,7 +190,7 @@ def triton_slot_attention(
     launch: dict[str, Any] = {"num_warps": warps, "num_stages": stages, **launch_kwargs(use_pdl)}
     kern.slot_attention_split[(num_splits, B * Hkv, m_blocks)](
         q, k_cache, v_cache, slots, pos, out, part_acc, part_m, part_l,
-        M, T, S, chunk, num_splits, scale * math.log2(math.e), window or 0,
+        M, T, S, min_chunk, num_splits, scale * math.log2(math.e), window or 0,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *pos.stride(), *out.stride(),
         HKV=Hkv, HEAD_D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_WINDOW=window is not None,
         SINGLE=single, DOT_PRECISION=_DOT_PRECISION_F32 if q.dtype == torch.float32 else "tf32",
@@ -189,8 +198,8 @@ def triton_slot_attention(
     )
     if not single:
         kern.slot_attention_combine[(B * Hkv, m_blocks)](
-            out, part_acc, part_m, part_l, M, num_splits, *out.stride(),
-            HKV=Hkv, HEAD_D=D, BLOCK_M=BLOCK_M, BLOCK_D=BLOCK_D, USE_PDL=use_pdl, num_warps=4,
+            out, part_acc, part_m, part_l, pos, M, T, S, min_chunk, num_splits, *pos.stride(), *out.stride(),
+            HKV=Hkv, HEAD_D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, USE_PDL=use_pdl, num_warps=4,
             **launch_kwargs(use_pdl),
         )
     return out

@@ -3,16 +3,20 @@
 Split-KV ("flash-decoding") attention over the slot-indexed cache, read in place:
 
 - `slot_attention_split`: grid (key splits, B * Hkv, query blocks). A program takes one row b, one KV head h,
-  a block of BLOCK_M stacked query rows (index g*T + t) and one chunk of CHUNK key positions; it reads
+  a block of BLOCK_M stacked query rows (index g*T + t) and one chunk of key positions (below); it reads
   keys/values straight from `cache[slots[b], h, key, :]` (explicit strides: the cache and its slices are not
   contiguous), runs an online softmax in float32 (scores in log2 units, exp2), and writes either the final
   output (one split) or its un-normalised partial sum, running maximum and denominator.
 - `slot_attention_combine`: grid (B * Hkv, query blocks); merges the partials of every split (log-sum-exp).
 
-The key loop stops at the block's largest query position + 1 (and, with a sliding window, starts at its
-smallest position - window + 1), so keys past a row's length are never read even though the grid is fixed by
-the bucket's S. A query row whose chunk holds no visible key keeps max = -inf and denominator 0; the combine
-gives such a split weight 0. Every real query row sees at least its own position, so its total is > 0.
+Chunks are sized on the device from the positions, not from the grid: a program block needs the keys
+[0, n) with n = its largest query position + 1 (at most S), and cuts them into chunks of
+max(MIN_CHUNK, cdiv(n, NUM_SPLITS)) keys rounded up to BLOCK_N. Splits past the last chunk return at once and
+the combine reads only the chunks in use. So the grid (NUM_SPLITS, sized for S, the cache's capacity) need not
+follow the context: one CUDA graph serves every context length, and a short context still spreads over as many
+programs as its length warrants. With a sliding window the loop starts at the block's smallest position -
+window + 1. A query row whose chunk holds no visible key keeps max = -inf and denominator 0; the combine gives
+such a split weight 0. Every real query row sees at least its own position, so its total is > 0.
 
 With TRITON_INTERPRET=1 in the environment before triton is first imported, the kernels run in Triton's CPU
 interpreter on CPU tensors (the tests); the mode holds for the whole process.
@@ -25,9 +29,15 @@ import triton.language as tl
 
 
 @triton.jit
+def _chunk(n_keys, NUM_SPLITS, MIN_CHUNK, BLOCK_N: tl.constexpr):
+    """Keys per split for a block that needs n_keys: the splits' share rounded up to BLOCK_N, at least MIN_CHUNK."""
+    return tl.maximum(tl.cdiv(tl.cdiv(n_keys, NUM_SPLITS), BLOCK_N) * BLOCK_N, MIN_CHUNK)
+
+
+@triton.jit
 def slot_attention_split(
     Q, K, V, SLOTS, POS, OUT, PART_ACC, PART_M, PART_L,
-    M, T, S, CHUNK, NUM_SPLITS, scale_log2, window,
+    M, T, S, MIN_CHUNK, NUM_SPLITS, scale_log2, window,
     s_qb, s_qh, s_qm, s_qd,
     s_kn, s_kh, s_kl, s_kd,
     s_vn, s_vh, s_vl, s_vd,
@@ -49,10 +59,6 @@ def slot_attention_split(
     mb = tl.program_id(2)
     b = bh // HKV
     h = bh % HKV
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # the queries and this step's keys are written by the kernel before
-        tl.extra.cuda.gdc_launch_dependents()
-
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n0 = tl.arange(0, BLOCK_N)
@@ -60,18 +66,26 @@ def slot_attention_split(
     d_valid = offs_d < HEAD_D
 
     # Query row m = g*T + t has the absolute position pos[b, t]; padded rows (m >= M) get -1 (see nothing).
+    # Positions and slots are read before the PDL wait: the step writes them before its first layer, and with
+    # PDL every kernel but the one just before has finished when a kernel starts (each triggers after its wait).
     qpos = tl.load(POS + b * s_pb + (offs_m % T) * s_pt, mask=m_valid, other=-1).to(tl.int32)
+    n_keys = tl.minimum(tl.max(qpos, axis=0) + 1, S)  # no key past the block's last query position
+    chunk = _chunk(n_keys, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
+    lo = split * chunk
+    if lo >= n_keys:  # a split past the last chunk: nothing to read, and the combine does not read it
+        return
+    hi = tl.minimum(lo + chunk, n_keys)
+    slot = tl.load(SLOTS + b).to(tl.int64)  # int64: slot * slot stride may pass 2**31 elements
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # the queries and this step's keys are written by the kernel before
+        tl.extra.cuda.gdc_launch_dependents()
+
     q = tl.load(Q + b * s_qb + h * s_qh + offs_m[:, None] * s_qm + offs_d[None, :] * s_qd,
                 mask=m_valid[:, None] & d_valid[None, :], other=0.0)
     if DOT_IN_F32:
         q = q.to(tl.float32)
-    slot = tl.load(SLOTS + b).to(tl.int64)  # int64: slot * slot stride may pass 2**31 elements
     k_base = K + slot * s_kn + h * s_kh
     v_base = V + slot * s_vn + h * s_vh
-
-    lo = split * CHUNK
-    hi = tl.minimum(lo + CHUNK, S)
-    hi = tl.minimum(hi, tl.max(qpos, axis=0) + 1)  # no key past the block's last query position
     if HAS_WINDOW:
         first = tl.min(tl.where(m_valid, qpos, 2147483647), axis=0) - window + 1
         lo = tl.maximum(lo, first)
@@ -117,12 +131,14 @@ def slot_attention_split(
 
 @triton.jit
 def slot_attention_combine(
-    OUT, PART_ACC, PART_M, PART_L,
-    M, NUM_SPLITS,
+    OUT, PART_ACC, PART_M, PART_L, POS,
+    M, T, S, MIN_CHUNK, NUM_SPLITS,
+    s_pb, s_pt,
     s_ob, s_oh, s_om, s_od,
     HKV: tl.constexpr,
     HEAD_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr = False,
 ):
@@ -130,22 +146,27 @@ def slot_attention_combine(
     mb = tl.program_id(1)
     b = bh // HKV
     h = bh % HKV
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_valid = offs_m < M
     d_valid = offs_d < HEAD_D
+    # The chunks the split kernel used for this block (same positions, same formula): only those hold partials.
+    # Read before the PDL wait, as there.
+    qpos = tl.load(POS + b * s_pb + (offs_m % T) * s_pt, mask=m_valid, other=-1).to(tl.int32)
+    n_keys = tl.minimum(tl.max(qpos, axis=0) + 1, S)
+    used = tl.cdiv(n_keys, _chunk(n_keys, NUM_SPLITS, MIN_CHUNK, BLOCK_N))
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
     m_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for split in range(0, NUM_SPLITS):
+    for split in range(0, used):
         row = (bh * NUM_SPLITS + split) * M + offs_m
         m_max = tl.maximum(m_max, tl.load(PART_M + row, mask=m_valid, other=float("-inf")))
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for split in range(0, NUM_SPLITS):
+    for split in range(0, used):
         row = (bh * NUM_SPLITS + split) * M + offs_m
         w = tl.exp2(tl.load(PART_M + row, mask=m_valid, other=float("-inf")) - m_safe)  # empty split: 0
         l_sum += w * tl.load(PART_L + row, mask=m_valid, other=0.0)

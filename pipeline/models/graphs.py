@@ -11,9 +11,12 @@ Static shapes, step by step:
 - Columns past T are padding too: they write K/V at positions past the row's real tokens, which the cache
   protocol already allows (stale entries beyond a row's length are never attended to and get overwritten
   before any query reaches them; base.py).
-- Keys are read up to `Sb`, the row maximum of `position + Tb` rounded up to `kv_block`, instead of the exact
-  data-dependent length; a per-row mask hides the rest. `Sb` comes from the host: free when `positions` is a
-  CPU tensor (the engine builds positions from its own lists), one deliberate sync when it lives on the device.
+- Keys: the Triton attention reads each row's keys up to its own position, sizing its split-KV chunks on the
+  device, so its graphs do not depend on the context (`Sb` = the cache length): one graph per (Bb, Tb), and
+  a context that grows never triggers a capture mid-stream. The SDPA attention (CPU, fallback) reads keys up to
+  `Sb`, the row maximum of `position + Tb` rounded up to `kv_block`; a per-row mask hides the rest. The max
+  position comes from the host: free when `positions` is a CPU tensor (the engine builds positions from its
+  own lists), one deliberate sync when it lives on the device.
 - Queries of the G = n_heads / n_kv_heads heads that share a KV head are stacked along the query axis
   (`[B, Hkv, G*T, D]`), so attention reads each cached key once and needs no GQA expansion.
 - Attention (`pipeline.models.decode_attention`, `GraphConfig.attention`): on CUDA with triton installed, a
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -86,11 +90,16 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int | None:
     return None
 
 
-def plan_shape(B: int, T: int, max_pos: int, max_len: int, cfg: GraphConfig) -> tuple[int, int, int] | None:
-    """(Bb, Tb, Sb) for a call of B rows x T tokens whose largest start position is max_pos; None: eager."""
+def plan_shape(B: int, T: int, max_pos: int, max_len: int, cfg: GraphConfig,
+               whole_cache: bool = False) -> tuple[int, int, int] | None:
+    """(Bb, Tb, Sb) for a call of B rows x T tokens whose largest start position is max_pos; None: eager.
+    whole_cache: Sb = max_len whatever the positions (the Triton attention sizes its work from the rows' own
+    positions on the device, so one graph per (Bb, Tb) serves every context length)."""
     Bb, Tb = bucket(B, cfg.batch_buckets), bucket(T, cfg.token_buckets)
     if Bb is None or Tb is None or max_pos + Tb > max_len:
         return None
+    if whole_cache:
+        return Bb, Tb, max_len
     need = max_pos + Tb  # keys [0, need) cover every (padded) query position
     return Bb, Tb, min(-(-need // cfg.kv_block) * cfg.kv_block, max_len)
 
@@ -200,6 +209,7 @@ class GraphStats:
     fused_runs: int = 0  # static-path runs (captures, uncaptured calls) that took the fused layer
     eager_calls: int = 0  # forwards passed to the wrapped eager runner (prefill, too large)
     captures: int = 0
+    capture_s: float = 0.0  # host seconds spent capturing (warm-up runs, capture, first replay)
     host_syncs: int = 0  # forwards whose positions lived on the device (one sync each to bucket them)
     shapes: dict = field(default_factory=dict)  # (Bb, Tb, Sb) -> calls
 
@@ -322,7 +332,7 @@ class GraphCausalLM:
         if positions.device.type != "cpu":
             self.stats.host_syncs += 1
         max_pos = int(positions.max())  # free on CPU; the deliberate sync otherwise
-        shape = plan_shape(B, T, max_pos, self.max_len, self.config)
+        shape = self.shape_for(B, T, max_pos)
         if shape is None:
             self.stats.eager_calls += 1
             return self.runner.forward(tokens, positions, slots, logits_from)
@@ -346,6 +356,35 @@ class GraphCausalLM:
         return entry.logits[:B, logits_from:T].clone()
 
     __call__ = forward
+
+    def warmup(self, max_batch: int, max_tokens: int) -> int:
+        """Capture now every graph that calls of up to `max_batch` rows x `max_tokens` tokens would use (with the
+        Triton attention, every one; with SDPA, those of the shortest contexts), instead of on first use in the
+        middle of serving: a capture costs tens of milliseconds (more with a compilation), which a stream would
+        see as a stall. Rows point at the scratch slot. Returns the number of graphs captured; 0 without CUDA
+        graphs."""
+        assert self._bufs is not None, "call allocate(num_slots, max_len) before warmup"
+        if not self.use_graphs:
+            return 0
+        cfg, before = self.config, self.stats.captures
+        batches = [b for b in cfg.batch_buckets if b <= (bucket(max_batch, cfg.batch_buckets) or cfg.batch_buckets[-1])]
+        tokens = [t for t in cfg.token_buckets if t <= (bucket(max_tokens, cfg.token_buckets) or cfg.token_buckets[-1])]
+        tok_buf, pos_buf, slot_buf = self._bufs
+        for Bb in batches:
+            for Tb in tokens:
+                shape = self.shape_for(Bb, Tb, 0)
+                if shape is None or shape in self._graphs:
+                    continue
+                tok_buf[:Bb, :Tb].zero_()
+                pos_buf[:Bb].zero_()
+                slot_buf[:Bb].fill_(self.num_slots)  # the scratch slot: no request's cache is touched
+                self._graphs[shape] = self._capture_or_fall_back(shape)
+        return self.stats.captures - before
+
+    def shape_for(self, B: int, T: int, max_pos: int) -> tuple[int, int, int] | None:
+        """The graph (bucket) that serves a call of B rows x T tokens starting at most at max_pos; None: eager.
+        With the Triton attention the keys are not bucketed: one graph per (Bb, Tb) for every context."""
+        return plan_shape(B, T, max_pos, self.max_len, self.config, whole_cache=self.attention == "triton")
 
     # -- capture -------------------------------------------------------------------------------------------
     def _capture_or_fall_back(self, shape: tuple[int, int, int]) -> _Graph:
@@ -374,6 +413,7 @@ class GraphCausalLM:
         if not self.use_graphs:
             self._static_forward(*args)
             return _Graph(None, out)
+        t0 = time.perf_counter()
         # Warm up on a side stream (compilation, cuBLAS workspaces), as torch.cuda.graphs recommends. The
         # warm-up writes this call's own K/V, which the replay writes again (same values, same places).
         stream = torch.cuda.Stream(self.device)
@@ -389,6 +429,7 @@ class GraphCausalLM:
             self._static_forward(*args)
         graph.replay()
         self.stats.captures += 1
+        self.stats.capture_s += time.perf_counter() - t0
         return _Graph(graph, out)
 
     def _static_forward(
