@@ -70,6 +70,7 @@ class EngineTimings:
     draft_s: float = 0.0
     target_s: float = 0.0
     steps: int = 0
+    steps_by_k: dict[int, int] = field(default_factory=dict)  # target passes by draft tokens fed (K)
     extra: dict[str, float] = field(default_factory=dict)
 
 
@@ -107,6 +108,26 @@ class SpeculativeEngine:
                 m.allocate(self.config.max_batch_size, cache_len)
         self.timings = EngineTimings()
         self._free_slots = list(range(self.config.max_batch_size - 1, -1, -1))
+
+    def warmup(self, max_draft_tokens: int) -> dict[str, float]:
+        """Capture now the CUDA graphs of every step shape this engine can run (batch sizes up to max_batch_size;
+        the target's verify calls up to K = max_draft_tokens; every length a draft model's catch-up call may
+        have, since a row that went without drafts for a while feeds all it missed), so that no step pays a
+        capture later: a server does this before taking traffic. No-op for runners without graphs (CPU).
+        -> captures, seconds."""
+        if max_draft_tokens < 0:
+            raise ValueError(f"max_draft_tokens must be >= 0, got {max_draft_tokens}")
+        t0 = time.perf_counter()
+        drafter = _model_drafter(self.drafter)
+        calls = [(self.target, max_draft_tokens + 1)]
+        if drafter is not None and max_draft_tokens > 0:
+            calls.append((drafter.model, _EVERY_LENGTH))
+        captures = 0
+        for model, tokens in calls:
+            warm = getattr(model, "warmup", None)
+            if warm is not None:
+                captures += warm(self.config.max_batch_size, tokens)
+        return {"captures": captures, "seconds": time.perf_counter() - t0}
 
     # -- construction ----------------------------------------------------------------------------------
     @classmethod
@@ -295,6 +316,7 @@ class SpeculativeEngine:
         self.timings.draft_s += t1 - t0
         self.timings.target_s += t2 - t1
         self.timings.steps += 1
+        self.timings.steps_by_k[K] = self.timings.steps_by_k.get(K, 0) + 1
         if self.k_policy is not None and self.drafter is not None:
             # A step that captured a CUDA graph (a new batch/K/context bucket) is no measure of its cost.
             self.k_policy.observe(B, K, t2 - t0, num_draft, num_accepted, timed=self._captures() == captures)
@@ -321,6 +343,9 @@ class SpeculativeEngine:
             seed=int(state.params.seed),
             stats=state.stats.summary(),
         )
+
+
+_EVERY_LENGTH = 1 << 30  # GraphCausalLM.warmup: every token bucket
 
 
 def _model_drafter(drafter: Drafter | None) -> ModelDrafter | None:

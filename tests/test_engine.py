@@ -317,3 +317,16 @@ def test_fp8_draft_weights_on_cpu_is_a_clear_error(tiny_models):
     with pytest.raises(ValueError, match="which extra\\['graphs'\\] turns off"):
         SpeculativeEngine(target, None, drafter, EngineConfig(max_batch_size=1, max_seq_len=64,
                                                                extra={"draft_weights": "fp8", "graphs": False}))
+
+
+def test_warmup_without_graphs_captures_nothing_and_steps_are_counted_by_k(tiny_models):
+    """On CPU (no CUDA graphs) warmup is a no-op; a bad K is refused. `timings.steps_by_k` counts every target
+    pass by the draft tokens it verified (the GPU tests check warmup's captures)."""
+    engine = _engine(str(tiny_models["llama"]), "lookup", batch=2)
+    assert engine.warmup(4)["captures"] == 0
+    with pytest.raises(ValueError, match="max_draft_tokens must be >= 0"):
+        engine.warmup(-1)
+    result = engine.generate([5, 6, 7, 5, 6, 7, 5, 6], SamplingParams(max_tokens=16), SpecParams(num_draft_tokens=3))
+    by_k = engine.timings.steps_by_k
+    assert sum(by_k.values()) == engine.timings.steps == result.stats["target_passes"]
+    assert sum(k * n for k, n in by_k.items()) == result.stats["drafted"]

@@ -301,3 +301,65 @@ def test_float32_graph_logits_do_not_depend_on_the_step_shape():
         five = graph.forward(block, positions, slots)[:, 0]
         assert _rel(one, five) < 1e-5, _rel(one, five)
         assert torch.equal(one.argmax(-1), five.argmax(-1))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_warmup_captures_the_step_shapes_once_and_a_growing_context_needs_no_more():
+    """`warmup` captures the (batch, tokens) grid up front. With the Triton attention a graph serves every
+    context length (its key chunks follow the rows' positions), so decoding across several 256-key blocks, with
+    verify calls in between, captures nothing more and still gives the eager runner's logits."""
+    dev = torch.device("cuda")
+    graph = GraphCausalLM(random_llama(SMALL, dev, torch.bfloat16, seed=6), GraphConfig())
+    eager = random_llama(SMALL, dev, torch.bfloat16, seed=6)
+    for m in (graph, eager):
+        m.allocate(4, 1024)
+    assert graph.warmup(3, 3) == 9  # batch buckets 1, 2, 4 x token buckets 1, 2, 3
+    assert graph.warmup(3, 3) == 0 and graph.stats.captures == 9
+    g = torch.Generator().manual_seed(2)
+    lengths = [200, 37]
+    for slot, n in enumerate(lengths):
+        prompt = torch.randint(0, SMALL.vocab_size, (1, n), generator=g).cuda()
+        for m in (graph, eager):
+            m.forward(prompt, torch.tensor([0]), torch.tensor([slot]), n - 1)
+    slots, worst = torch.tensor([0, 1]), 0.0
+    for step in range(560):  # slot 0 goes from 200 to 760 keys
+        T = 3 if step % 40 == 0 else 1  # a verify call now and then; only its first token is kept
+        tokens = torch.randint(0, SMALL.vocab_size, (2, T), generator=g).cuda()
+        positions = torch.tensor(lengths)
+        got = graph.forward(tokens, positions, slots)
+        if step % 20 == 0 or T > 1:
+            want = eager.forward(tokens, positions, slots)
+            worst = max(worst, _rel(got, want))
+        else:  # keep the eager cache in step without comparing
+            eager.forward(tokens, positions, slots, T - 1)
+        lengths = [n + 1 for n in lengths]
+    assert graph.stats.captures == 9, graph.stats.shapes
+    assert worst < 3e-2, worst
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_engine_warmup_leaves_no_capture_to_the_steps():
+    """After `SpeculativeEngine.warmup(K)`, speculative decoding with a draft model and adaptive K (up to K) over
+    growing contexts captures no graph, in the target or the drafter, and is still exact (greedy = target
+    alone; float32, where the engine promises that across step shapes)."""
+    dev, f32 = torch.device("cuda"), torch.float32
+
+    def build(with_drafter: bool) -> SpeculativeEngine:
+        drafter = ModelDrafter(random_llama(replace(SMALL, n_layers=1), dev, f32, seed=8)) if with_drafter else None
+        return SpeculativeEngine(random_llama(SMALL, dev, f32, seed=7), None, drafter,
+                                 EngineConfig(max_batch_size=3, max_seq_len=640, device="cuda", dtype="float32"),
+                                 k_policy=AdaptiveK(max_k=4) if with_drafter else None)
+
+    engine = build(True)
+    warm = engine.warmup(4)
+    # batch buckets 1, 2, 4 x the target's T = 1..5 and the drafter's every token bucket (1-6, 8, 12, 16)
+    assert warm["captures"] == 3 * 5 + 3 * 9, warm
+    before = engine._captures()
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, SMALL.vocab_size, (n,), generator=g).tolist() for n in (250, 40, 300)]
+    params, spec = SamplingParams(max_tokens=300, ignore_eos=True), SpecParams(num_draft_tokens=4)
+    got = engine.generate_batch(prompts, params, spec)
+    assert engine._captures() == before, engine.target.stats.shapes
+    assert sum(k * n for k, n in engine.timings.steps_by_k.items()) > 0  # it did speculate
+    alone = build(False).generate_batch(prompts, params, SpecParams(num_draft_tokens=0))
+    assert [r.token_ids for r in got] == [r.token_ids for r in alone]
