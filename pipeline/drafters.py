@@ -90,16 +90,17 @@ class PromptLookupDrafter:
         self.lookup(context, 0, key=request_id)  # builds the request's index over the prompt
 
     def propose(self, rows, k, sampling, steps, draft_top_k) -> DraftBlock:
-        tokens = torch.zeros(len(rows), k, dtype=torch.int64)
-        counts = torch.zeros(len(rows), dtype=torch.int64)
-        for b, row in enumerate(rows):
-            found = self.lookup(row.context, row.num_draft, key=row.request_id) if row.num_draft else []
-            tokens[b, : len(found)] = torch.tensor(found, dtype=torch.int64)
-            counts[b] = len(found)
-        return DraftBlock(token_ids=tokens, num_draft=counts)
+        found = [self.lookup(r.context, r.num_draft, key=r.request_id) if r.num_draft else [] for r in rows]
+        return DraftBlock(token_ids=_padded(found, k), num_draft=torch.tensor([len(f) for f in found], dtype=torch.int64))
 
     def release(self, request_id: str) -> None:
         self._index.pop(request_id, None)
+
+
+def _padded(rows: Sequence[list[int]], width: int) -> torch.Tensor:
+    """[len(rows), width] int64, each row's ids then zeros: one tensor built from Python lists (a per-row tensor
+    and slice assignment cost about 10 us a row, a millisecond a step at 32 rows)."""
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int64).view(len(rows), width)
 
 
 class _NgramIndex:
@@ -277,17 +278,12 @@ class HybridDrafter:
         to_model = [b for b, r in enumerate(rows) if r.num_draft and not found[b]]
         self.lookup_rows += sum(1 for f in found if f)
         self.model_rows += len(to_model)
-        tokens = torch.zeros(B, k, dtype=torch.int64)
-        counts = torch.zeros(B, dtype=torch.int64)
-        top_ids = torch.zeros(B, k, draft_top_k, dtype=torch.int64)
+        tokens = _padded(found, k)
+        counts = torch.tensor([len(f) for f in found], dtype=torch.int64)
+        # A point mass at each looked-up token: the support's other entries repeat it at probability 0.
+        top_ids = tokens[:, :, None].repeat(1, 1, draft_top_k)
         top_probs = torch.zeros(B, k, draft_top_k, dtype=torch.float32)
-        for b, f in enumerate(found):
-            if f:  # a point mass at each looked-up token (the support's other entries repeat it at probability 0)
-                n = len(f)
-                t = torch.tensor(f, dtype=torch.int64)
-                tokens[b, :n], counts[b] = t, n
-                top_ids[b, :n] = t[:, None]
-                top_probs[b, :n, 0] = 1.0
+        top_probs[:, :, 0] = (torch.arange(k)[None, :] < counts[:, None]).float()
         if to_model:
             idx = torch.tensor(to_model, dtype=torch.int64)
             sub = self.model.propose([rows[b] for b in to_model], k, sampling.select(to_model),

@@ -302,10 +302,10 @@ class SpeculativeEngine:
         else:
             draft = DraftBlock(torch.zeros(B, 0, dtype=torch.int64, device=device), torch.zeros(B, dtype=torch.int64, device=device))
         t1 = time.perf_counter()
-        pending = torch.tensor([s.context[-1] for s in states], dtype=torch.int64, device=device)
+        pending = torch.tensor([s.last_token for s in states], dtype=torch.int64, device=device)
         tokens = torch.cat([pending[:, None], draft.token_ids], dim=1)  # [B, K+1]
         # Positions and slots stay on the host: runners read them without a device sync.
-        positions = torch.tensor([len(s.context) - 1 for s in states], dtype=torch.int64)
+        positions = torch.tensor([s.length - 1 for s in states], dtype=torch.int64)
         logits = self.target.forward(tokens, positions, torch.tensor(slots, dtype=torch.int64))  # [B, K+1, V]
         verified = verify(logits, draft, sampling, steps)
         out = accept(verified, draft, sampling.seeds, steps, sampling.all_greedy)

@@ -109,7 +109,17 @@ class RequestState:
 
     @property
     def context(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        return self.prompt_ids + self.output_ids  # a copy: O(length)
+
+    @property
+    def length(self) -> int:
+        """len(context), without building it."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def last_token(self) -> int:
+        """context[-1], without building it."""
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 
     @property
     def remaining(self) -> int:
