@@ -71,7 +71,7 @@ class TargetConfig(_Strict):
     tp_allreduce: Literal["auto", "fused", "symm", "nccl"] = Field(
         "auto",
         description="Tensor parallel on CUDA: how a step sums the ranks' partial results. 'auto': 'fused' (the "
-        "fused layer's linears send their partials to every rank) at 2 ranks, else 'symm' (a symmetric-memory "
+        "fused layer's linears send their partials to every rank) at 2 and 4 ranks, else 'symm' (a symmetric-memory "
         "all-reduce kernel), else 'nccl' (pipeline.models.tensor_parallel). CPU groups use gloo.",
     )
 

@@ -48,10 +48,11 @@ from pipeline.models.llama import LlamaArgs, LlamaCausalLM, Transformer, hf_to_l
 log = logging.getLogger(__name__)
 
 # Group sizes at which allreduce="auto" takes the fused layer's own all-reduce (pipeline.models.tp_fused) on the
-# graph path. 8B batch-1 decode at TP=2, fused against the one-shot symmetric-memory kernel: 3.71 vs 4.33 ms on
-# 2 H100s, 4.18 vs 4.32 on 4 H100s, 3.37 vs 3.42 on 4 H200s. At TP=4 it was even on H100s and 31% slower on
-# H200s (BENCHMARKS.md, issue 6), so larger groups keep "symm".
-FUSED_AUTO_RANKS = (2,)
+# graph path. Batch-1 decode, fused against the one-shot symmetric-memory kernel (BENCHMARKS.md, issue 6):
+# 8B at TP=2, 3.71 vs 4.33 ms on 2 H100s; 8B at TP=4, 2.81 vs 4.06 ms, and 70B at TP=4, 15.3 vs 19.0 ms, on 4 H100s
+# (with the chain-timed tuner; before it, TP=4 was even on H100s and fused 31% slower on H200s, not re-measured
+# since). Other sizes (8 GPUs were never lent) keep "symm".
+FUSED_AUTO_RANKS = (2, 4)
 
 # ----------------------------------------------------------------------------------------------------
 # The plan: which heads, MLP columns and vocabulary rows a rank holds (pure functions)
