@@ -89,6 +89,14 @@ class PromptLookupDrafter:
     def admit(self, request_id: str, context: Sequence[int]) -> None:
         self.lookup(context, 0, key=request_id)  # builds the request's index over the prompt
 
+    def prepare(self, rows) -> None:
+        """Extend the drafting rows' indexes over every token committed since their last lookup (all of them
+        after steps without drafts), so that `propose` costs what a step of this K costs (the engine times it
+        apart)."""
+        for r in rows:
+            if r.num_draft:
+                self.lookup(r.context, 0, key=r.request_id)
+
     def propose(self, rows, k, sampling, steps, draft_top_k) -> DraftBlock:
         found = [self.lookup(r.context, r.num_draft, key=r.request_id) if r.num_draft else [] for r in rows]
         return DraftBlock(token_ids=_padded(found, k), num_draft=torch.tensor([len(f) for f in found], dtype=torch.int64))
@@ -271,6 +279,9 @@ class HybridDrafter:
     def release(self, request_id: str) -> None:
         self.lookup.release(request_id)
         self.model.release(request_id)
+
+    def prepare(self, rows) -> None:
+        self.lookup.prepare(rows)
 
     def propose(self, rows, k, sampling, steps, draft_top_k) -> DraftBlock:
         B = len(rows)

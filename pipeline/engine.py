@@ -290,8 +290,18 @@ class SpeculativeEngine:
         wants = [min(k_greedy if s.params.temperature == 0 else k, s.remaining - 1) if self.drafter else 0
                  for s in states]
         K = max(wants)
+        catch_up_s = 0.0
         if K > 0:
             rows = [DraftRequest(s.request_id, s.context, w) for s, w in zip(states, wants)]
+            prepare = getattr(self.drafter, "prepare", None)
+            if prepare is not None:
+                # The drafter's catch-up on every token committed since it last drafted (prompt lookup's index):
+                # after a run of K = 0 steps that is one step's worth per step skipped, a one-time price of
+                # switching K on, not of this K. The policy's cost for K leaves it out (H100, 32 streams: an
+                # exploring K = 1 step measured 2.2x a decode step with it, and speculation never came back).
+                t_prep = time.perf_counter()
+                prepare(rows)
+                catch_up_s = time.perf_counter() - t_prep
             draft = self.drafter.propose(rows, K, sampling, steps, spec.draft_top_k)
             if draft.num_draft.device.type == "cpu":  # host-side drafters (prompt lookup): free to trim
                 # Feed only as many columns as the longest proposal: a step where the lookup found nothing
@@ -319,7 +329,8 @@ class SpeculativeEngine:
         self.timings.steps_by_k[K] = self.timings.steps_by_k.get(K, 0) + 1
         if self.k_policy is not None and self.drafter is not None:
             # A step that captured a CUDA graph (a new batch/K/context bucket) is no measure of its cost.
-            self.k_policy.observe(B, K, t2 - t0, num_draft, num_accepted, timed=self._captures() == captures)
+            self.k_policy.observe(B, K, t2 - t0 - catch_up_s, num_draft, num_accepted,
+                                  timed=self._captures() == captures)
 
         events = []
         for b, state in enumerate(states):

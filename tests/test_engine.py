@@ -3,10 +3,13 @@ single runs, stopping rules hold."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from pipeline.adaptive import AdaptiveK
 from pipeline.config import EngineConfig, SamplingParams, SpecParams
 from pipeline.drafters import ModelDrafter, PromptLookupDrafter
 from pipeline.engine import SpeculativeEngine
@@ -330,3 +333,24 @@ def test_warmup_without_graphs_captures_nothing_and_steps_are_counted_by_k(tiny_
     by_k = engine.timings.steps_by_k
     assert sum(by_k.values()) == engine.timings.steps == result.stats["target_passes"]
     assert sum(k * n for k, n in by_k.items()) == result.stats["drafted"]
+
+
+def test_policy_costs_leave_out_the_drafters_catch_up(tiny_models):
+    """A drafter's `prepare` (prompt lookup's index catching up on tokens committed while K was 0) is a one-time
+    price of switching K on: the K policy's measured step costs leave it out. Here it takes 50 ms a call; the
+    steps themselves take a few. The output is unchanged."""
+    class SlowCatchUp(PromptLookupDrafter):
+        def prepare(self, rows) -> None:
+            time.sleep(0.05)
+            super().prepare(rows)
+
+    target, _ = load_model(str(tiny_models["llama"]))
+    drafter = SlowCatchUp()
+    engine = SpeculativeEngine(target, None, drafter, EngineConfig(max_batch_size=1, max_seq_len=128),
+                               k_policy=AdaptiveK(max_k=2))
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]
+    result = engine.generate(prompt, SamplingParams(max_tokens=24), SpecParams(num_draft_tokens=2))
+    costs = engine.k_policy.costs(1)
+    assert costs and max(costs.values()) < 0.05, costs
+    assert result.token_ids == _engine(str(tiny_models["llama"]), None, batch=1).generate(
+        prompt, SamplingParams(max_tokens=24)).token_ids
