@@ -119,6 +119,7 @@ def run_bench(
         raise ValueError(f"unknown method(s) {sorted(unknown)}; choose from {sorted(runners)}")
 
     encoded = [engine.encode(s.prompt, chat=True) for s in prompts]
+    engine.warmup(k)  # CUDA: every step shape captured now, as a server does before traffic (CPU: nothing)
     runners[methods[0]](encoded[0][:16])  # warm-up (allocations, first-call overheads)
     records = []
     bar = _progress(len(prompts) * len(methods), progress)
