@@ -19,7 +19,7 @@ from deployments import metrics, tracing
 from deployments.batching import StepBatcher
 from deployments.config import DRAFTER, AppConfig
 from deployments.target_replica import CACHE_SLACK
-from deployments.workers import CACHE_MISS, ModelHost, spawn_workers
+from deployments.workers import CACHE_MISS, ModelHost, spawn_workers, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ class DrafterWorker:
         runner, _ = load_model(model or DEMO_DRAFT, device=device, dtype=dtype)  # None: the shipped demo drafter
         runner = graphs_on_cuda(runner)  # CUDA: captured decode steps; CPU unchanged
         runner.allocate(max_batch_size, max_seq_len + CACHE_SLACK)
+        warm_up(runner, max_batch_size, "drafter")
         self.drafter = ModelDrafter(runner)
         self._ctx: dict[str, list[int]] = {}
         self.batcher = StepBatcher(self._run_batch, max_batch_size, batch_wait_ms, name="drafter")

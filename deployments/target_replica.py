@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 from deployments import metrics, tracing
 from deployments.batching import AGAIN, StepBatcher
 from deployments.config import TARGET, AppConfig
-from deployments.workers import CACHE_MISS, ModelHost, spawn_workers
+from deployments.workers import CACHE_MISS, ModelHost, spawn_workers, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ class TargetWorker:
         max_seq_len = min(max_seq_len, self.model.info.max_position_embeddings or max_seq_len)
         self.max_seq_len = max_seq_len
         self.model.allocate(max_batch_size, max_seq_len + CACHE_SLACK)
+        warm_up(self.model, max_batch_size, "target")
         self.device = torch.device(device)
         self.num_slots = max_batch_size
         self._slots: OrderedDict[str, int] = OrderedDict()  # request id -> slot, least recently used first

@@ -141,6 +141,7 @@ def compare_ranks(rank: int, world_size: int, init: str, models: dict[str, str],
         if rank == 0:
             leader = TensorParallelRunner(inner, tp, heartbeat_s=0.4)
             leader.allocate(SLOTS, MAX_LEN)
+            results[f"{key}_warmup"] = leader.warmup(4, 8)  # reaches every rank; no graphs to capture on CPU
             bad = [(torch.tensor([[1]]), torch.tensor([0]), torch.tensor([SLOTS])),  # no such slot
                    (torch.tensor([[1, 2]]), torch.tensor([MAX_LEN - 1]), torch.tensor([0])),  # past the cache
                    (torch.tensor([[inner.info.vocab_size]]), torch.tensor([0]), torch.tensor([0]))]  # not a token

@@ -152,9 +152,11 @@ def test_driven_mode_and_the_static_graph_path_equal_tp1(run2, references):
     want = references["llama"][0]
     _assert_same(run2["results"]["driven"], want, "driven")
     assert run2["results"]["driven_rejected"] == 3  # bad calls fail on rank 0 alone; the group went on
+    assert run2["results"]["driven_warmup"] == 0  # warmup reached the follower (an unknown op would break it)
     if "graphs" not in run2["results"]:
         pytest.skip("pipeline/models/graphs.py is not in this checkout")
     _assert_same(run2["results"]["graphs"], want, "graphs")
+    assert run2["results"]["graphs_warmup"] == 0  # the static path on CPU: nothing to capture
     assert run2["results"]["graph_calls"] >= 12  # the verify call and the decode steps took the static path
     # allreduce="fused" needs the fused layer (CUDA, bf16): refused with the reason on CPU; unknown kinds too
     assert "needs the fused layer" in run2["results"]["refused_fused"]

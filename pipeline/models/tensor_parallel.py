@@ -408,7 +408,7 @@ def sharded_runner(model: Transformer, info: ModelInfo) -> LlamaCausalLM:
 # ----------------------------------------------------------------------------------------------------
 # Driving the followers: rank 0's calls are replayed on every rank
 
-_NOOP, _FORWARD, _ALLOCATE, _STOP = 0, 1, 2, 3
+_NOOP, _FORWARD, _ALLOCATE, _STOP, _WARMUP = 0, 1, 2, 3, 4
 _HEADER = 6  # [op, B, T, logits_from, a, b]
 _INLINE = 1024  # inputs up to this many ids ride in the header's message: one broadcast per decode/verify step
 
@@ -463,6 +463,12 @@ class TensorParallelRunner:
     def allocate(self, num_slots: int, max_len: int) -> None:
         assert num_slots >= 1 and max_len >= 1, f"need num_slots, max_len >= 1, got {num_slots}, {max_len}"
         self._run([_ALLOCATE, 0, 0, 0, num_slots, max_len], None, lambda: self.runner.allocate(num_slots, max_len))
+
+    def warmup(self, max_batch: int, max_tokens: int) -> int:
+        """Every rank captures its step graphs now, in lockstep (`GraphCausalLM.warmup`); 0 where the sharded
+        runner has no graphs."""
+        assert max_batch >= 1 and max_tokens >= 1, f"need max_batch, max_tokens >= 1, got {max_batch}, {max_tokens}"
+        return self._run([_WARMUP, 0, 0, 0, max_batch, max_tokens], None, lambda: _warmup(self.runner, max_batch, max_tokens))
 
     @torch.inference_mode()
     def forward(
@@ -536,6 +542,11 @@ class TensorParallelRunner:
                     return
 
 
+def _warmup(runner: Any, max_batch: int, max_tokens: int) -> int:
+    warm = getattr(runner, "warmup", None)
+    return warm(max_batch, max_tokens) if warm is not None else 0
+
+
 def follow(runner: Any, tp: TPContext) -> None:
     """Ranks > 0: replay rank 0's calls on this rank's shard until rank 0 closes the group. Raises
     `TensorParallelError` when rank 0 is lost (closed socket, or no heartbeat within the control timeout)
@@ -552,6 +563,8 @@ def follow(runner: Any, tp: TPContext) -> None:
                     return
                 if op == _ALLOCATE:
                     runner.allocate(a, b)
+                elif op == _WARMUP:
+                    _warmup(runner, a, b)
                 elif op == _FORWARD:
                     n = B * T + 2 * B
                     if n <= _INLINE:
@@ -561,6 +574,8 @@ def follow(runner: Any, tp: TPContext) -> None:
                         dist.broadcast(payload, src=0, group=tp.control)
                     tokens = payload[: B * T].view(B, T)
                     runner.forward(tokens, payload[B * T: B * T + B], payload[B * T + B:], logits_from)
+                elif op != _NOOP:  # a leader of another version: fail now rather than fall out of step later
+                    raise TensorParallelError(f"unknown control message {op}")
     except Exception as err:  # noqa: BLE001
         raise TensorParallelError(f"rank {tp.rank}: tensor-parallel group lost: {err}") from err
 
