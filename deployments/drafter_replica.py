@@ -9,7 +9,6 @@ matches, so a block drafted optimistically and then rejected costs nothing to ro
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass

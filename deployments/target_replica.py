@@ -18,7 +18,6 @@ steps of the requests already running on the replica.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import OrderedDict
