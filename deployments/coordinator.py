@@ -20,7 +20,6 @@ rebuilt from the committed token ids (prefill); a cache miss -> the same with th
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
