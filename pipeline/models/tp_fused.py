@@ -15,13 +15,13 @@ sum at batch 1 on an H100. Here:
   and rounded once, so every rank holds the same bits. The next fused linear reads it as usual.
 
 So a sum costs one small kernel instead of a copy and an all-reduce kernel. Measured (BENCHMARKS.md, issue 6,
-Llama-3-8B shape, batch-1 decode, "fused" against "symm" in the same processes):
-- 4x H100: TP=2 4.18 vs 4.32 ms a step (3% faster), TP=4 3.14 vs 3.14 ms (equal);
-- 4x H200: TP=2 3.37 vs 3.42 ms, TP=4 3.49 vs 2.66 ms (31% slower; most likely because at 4 ranks the fused
-  layer's few-column linears leave SMs idle, where the unfused path's tuned linears can split K; not profiled).
-It is therefore opt-in (`tensor_parallel_graphs(..., allreduce="fused")`), not what "auto" picks. Summing the
-partials inside the next linear's RMSNorm prologue instead (no kernel at all) was slower still on the H200s
-(3.81 and 4.27 ms): every program of that linear has to read every rank's partial before its first weight tile.
+batch-1 decode, "fused" against "symm" in the same processes, with the chain-timed linear tuner):
+- 2x H100, Llama-3-8B shape: TP=2 3.71 vs 4.33 ms a step;
+- 4x H100: 8B at TP=4 2.81 vs 4.06 ms, 70B at TP=4 15.3 vs 19.0 ms.
+`tensor_parallel_graphs(..., allreduce="auto")` therefore takes it at 2 and 4 ranks (`FUSED_AUTO_RANKS`). Before
+the tuner fix it was even at TP=4 on H100s and 31% slower on H200s (not re-measured since). Summing the partials
+inside the next linear's RMSNorm prologue instead (no kernel at all) was slower on the H200s (3.81 and 4.27 ms):
+every program of that linear has to read every rank's partial before its first weight tile.
 
 Site s of a step: 2i is layer i's output projection, 2i+1 its down projection. `epoch` counts forwards
 (`begin()`, a one-thread kernel at the start of each); counters only grow (int64), so nothing is reset
