@@ -243,6 +243,13 @@ def bench_rank(rank: int, world: int, init_method: str, shape: str, args: argpar
         if world > 1:  # driven steps: rank 0 broadcasts each call, the others follow
             if rank == 0:
                 leader = TensorParallelRunner(fast, tp, heartbeat_s=None)
+                # What a serving replica does at start: every rank captures the remaining step graphs in lockstep
+                # (batch buckets up to 4 here; the timed shapes above are captured already).
+                t_warm = time.perf_counter()
+                captured = leader.warmup(4, max(Ts))
+                rec[f"driven_warmup_{resolved}"] = {"captures": captured, "seconds": time.perf_counter() - t_warm}
+                log(f"{shape} TP={world} [{resolved}] driven warm-up: {captured} graphs on every rank in "
+                    f"{time.perf_counter() - t_warm:.1f} s")
                 for T in Ts:
                     tokens, positions, slots = step_tokens[:1, :T], torch.tensor([args.context]), torch.tensor([0])
 
