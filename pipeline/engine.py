@@ -108,6 +108,7 @@ class SpeculativeEngine:
                 m.allocate(self.config.max_batch_size, cache_len)
         self.timings = EngineTimings()
         self._free_slots = list(range(self.config.max_batch_size - 1, -1, -1))
+        self._sampling: tuple[tuple[str, ...], SamplingTensors] | None = None  # the last step's rows and tensors
 
     def warmup(self, max_draft_tokens: int) -> dict[str, float]:
         """Capture now the CUDA graphs of every step shape this engine can run (batch sizes up to max_batch_size;
@@ -276,7 +277,12 @@ class SpeculativeEngine:
         """One target pass for every request in `states` (all unfinished, prefilled)."""
         B = len(states)
         device = self.target.device if hasattr(self.target, "device") else torch.device("cpu")
-        sampling = SamplingTensors.from_params([s.params for s in states], device)
+        # A request's sampling parameters never change: rebuild the tensors (four host-to-device copies) only when
+        # the rows do, i.e. when a request joins or leaves.
+        rows_key = tuple(s.request_id for s in states)
+        if self._sampling is None or self._sampling[0] != rows_key:
+            self._sampling = (rows_key, SamplingTensors.from_params([s.params for s in states], device))
+        sampling = self._sampling[1]
         steps = torch.tensor([s.step for s in states], dtype=torch.int64, device=device)
         # Never draft past max_tokens: the last allowed token always comes from the target.
         t0 = time.perf_counter()
