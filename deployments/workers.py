@@ -24,19 +24,15 @@ WORKER_NAMESPACE = "specserve-workers"
 CACHE_MISS = "cache_miss"  # a worker's answer when it lacks a request's committed tokens
 
 
-WARMUP_TOKENS = 1 << 30  # `warm_up`: every token count the graph path buckets
-
-
 def warm_up(model: Any, max_batch_size: int, role: str) -> int:
     """Capture a worker model's step graphs before the replica takes traffic (the CUDA graph path, and every rank
     of a tensor-parallel group in lockstep; nothing elsewhere): every batch size up to max_batch_size and every
     token count the graph path buckets (verify blocks of any K it captures, a drafter's catch-up calls), so that
     no request sees a capture's stall. Returns the graphs captured."""
-    warm = getattr(model, "warmup", None)
-    if warm is None:
-        return 0
+    from pipeline.models.base import warmup
+
     t0 = time.perf_counter()
-    captured = warm(max_batch_size, WARMUP_TOKENS)
+    captured = warmup(model, max_batch_size)
     if captured:
         logger.info("%s: %d CUDA graphs captured in %.1f s before serving", role, captured, time.perf_counter() - t0)
     return captured

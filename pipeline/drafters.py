@@ -99,7 +99,8 @@ class PromptLookupDrafter:
 
     def propose(self, rows, k, sampling, steps, draft_top_k) -> DraftBlock:
         found = [self.lookup(r.context, r.num_draft, key=r.request_id) if r.num_draft else [] for r in rows]
-        return DraftBlock(token_ids=_padded(found, k), num_draft=torch.tensor([len(f) for f in found], dtype=torch.int64))
+        counts = torch.tensor([len(f) for f in found], dtype=torch.int64)
+        return DraftBlock(token_ids=_padded(found, k), num_draft=counts)
 
     def release(self, request_id: str) -> None:
         self._index.pop(request_id, None)

@@ -22,7 +22,7 @@ import torch
 from pipeline.adaptive import AdaptiveK
 from pipeline.config import EngineConfig, SamplingParams, SpecParams
 from pipeline.drafters import Drafter, DraftRequest, HybridDrafter, ModelDrafter
-from pipeline.models.base import CausalLM
+from pipeline.models.base import CausalLM, warmup
 from pipeline.rejection import DraftBlock, accept, verify
 from pipeline.sampling import SamplingTensors
 from pipeline.sequence import RequestState
@@ -120,14 +120,9 @@ class SpeculativeEngine:
             raise ValueError(f"max_draft_tokens must be >= 0, got {max_draft_tokens}")
         t0 = time.perf_counter()
         drafter = _model_drafter(self.drafter)
-        calls = [(self.target, max_draft_tokens + 1)]
+        captures = warmup(self.target, self.config.max_batch_size, max_draft_tokens + 1)
         if drafter is not None and max_draft_tokens > 0:
-            calls.append((drafter.model, _EVERY_LENGTH))
-        captures = 0
-        for model, tokens in calls:
-            warm = getattr(model, "warmup", None)
-            if warm is not None:
-                captures += warm(self.config.max_batch_size, tokens)
+            captures += warmup(drafter.model, self.config.max_batch_size)  # every length
         return {"captures": captures, "seconds": time.perf_counter() - t0}
 
     # -- construction ----------------------------------------------------------------------------------
@@ -360,9 +355,6 @@ class SpeculativeEngine:
             seed=int(state.params.seed),
             stats=state.stats.summary(),
         )
-
-
-_EVERY_LENGTH = 1 << 30  # GraphCausalLM.warmup: every token bucket
 
 
 def _model_drafter(drafter: Drafter | None) -> ModelDrafter | None:

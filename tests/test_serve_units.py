@@ -512,7 +512,7 @@ def test_pad_sparse_leaves_each_rows_distribution_unchanged():
 def test_workers_warm_every_graph_bucket_before_serving(tiny_models):
     """`warm_up` asks a worker's model for every batch size up to the replica's slots and every token bucket (a
     verify block of any captured K, a drafter's catch-up); a model without graphs (CPU) captures nothing."""
-    from deployments.workers import WARMUP_TOKENS, warm_up
+    from deployments.workers import warm_up
     from pipeline.models.graphs import GraphCausalLM, GraphConfig
     from pipeline.models.loader import load_model
 
@@ -520,12 +520,12 @@ def test_workers_warm_every_graph_bucket_before_serving(tiny_models):
         def __init__(self) -> None:
             self.calls: list[tuple[int, int]] = []
 
-        def warmup(self, max_batch: int, max_tokens: int) -> int:
+        def warmup(self, max_batch: int, max_tokens: int | None) -> int:
             self.calls.append((max_batch, max_tokens))
             return 3
 
     model = Recording()
-    assert warm_up(model, 16, "target") == 3 and model.calls == [(16, WARMUP_TOKENS)]
+    assert warm_up(model, 16, "target") == 3 and model.calls == [(16, None)]  # None: every token bucket
     assert warm_up(object(), 16, "target") == 0  # an eager runner: nothing to warm
     graph = GraphCausalLM(load_model(tiny_models["llama"])[0], GraphConfig(graphs=False, compile=False))
     graph.allocate(4, 64)

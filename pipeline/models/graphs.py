@@ -357,18 +357,20 @@ class GraphCausalLM:
 
     __call__ = forward
 
-    def warmup(self, max_batch: int, max_tokens: int) -> int:
-        """Capture now every graph that calls of up to `max_batch` rows x `max_tokens` tokens would use (with the
-        Triton attention, every one; with SDPA, those of the shortest contexts), instead of on first use in the
-        middle of serving: a capture costs tens of milliseconds (more with a compilation), which a stream would
-        see as a stall. Rows point at the scratch slot. Returns the number of graphs captured; 0 without CUDA
-        graphs."""
+    def warmup(self, max_batch: int, max_tokens: int | None = None) -> int:
+        """Capture now every graph that calls of up to `max_batch` rows x `max_tokens` tokens (None: any token
+        bucket) would use (with the Triton attention, every one; with SDPA, those of the shortest contexts),
+        instead of on first use in the middle of serving: a capture costs tens of milliseconds (more with a
+        compilation or the linears' tuning), which a stream would see as a stall. Rows point at the scratch slot.
+        Returns the number of graphs captured; 0 without CUDA graphs."""
         assert self._bufs is not None, "call allocate(num_slots, max_len) before warmup"
         if not self.use_graphs:
             return 0
         cfg, before = self.config, self.stats.captures
-        batches = [b for b in cfg.batch_buckets if b <= (bucket(max_batch, cfg.batch_buckets) or cfg.batch_buckets[-1])]
-        tokens = [t for t in cfg.token_buckets if t <= (bucket(max_tokens, cfg.token_buckets) or cfg.token_buckets[-1])]
+        top_b = bucket(max_batch, cfg.batch_buckets) or cfg.batch_buckets[-1]
+        top_t = (max_tokens and bucket(max_tokens, cfg.token_buckets)) or cfg.token_buckets[-1]
+        batches = [b for b in cfg.batch_buckets if b <= top_b]
+        tokens = [t for t in cfg.token_buckets if t <= top_t]
         tok_buf, pos_buf, slot_buf = self._bufs
         for Bb in batches:
             for Tb in tokens:

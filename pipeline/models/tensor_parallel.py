@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.models.base import ModelInfo
+from pipeline.models.base import ModelInfo, warmup
 from pipeline.models.llama import LlamaArgs, LlamaCausalLM, Transformer, hf_to_local, safetensors_files
 
 log = logging.getLogger(__name__)
@@ -464,11 +464,12 @@ class TensorParallelRunner:
         assert num_slots >= 1 and max_len >= 1, f"need num_slots, max_len >= 1, got {num_slots}, {max_len}"
         self._run([_ALLOCATE, 0, 0, 0, num_slots, max_len], None, lambda: self.runner.allocate(num_slots, max_len))
 
-    def warmup(self, max_batch: int, max_tokens: int) -> int:
-        """Every rank captures its step graphs now, in lockstep (`GraphCausalLM.warmup`); 0 where the sharded
-        runner has no graphs."""
-        assert max_batch >= 1 and max_tokens >= 1, f"need max_batch, max_tokens >= 1, got {max_batch}, {max_tokens}"
-        return self._run([_WARMUP, 0, 0, 0, max_batch, max_tokens], None, lambda: _warmup(self.runner, max_batch, max_tokens))
+    def warmup(self, max_batch: int, max_tokens: int | None = None) -> int:
+        """Every rank captures its step graphs now, in lockstep (`GraphCausalLM.warmup`; max_tokens None: every
+        token bucket); 0 where the sharded runner has no graphs."""
+        assert max_batch >= 1 and (max_tokens is None or max_tokens >= 1), (max_batch, max_tokens)
+        return self._run([_WARMUP, 0, 0, 0, max_batch, max_tokens or 0], None,
+                         lambda: warmup(self.runner, max_batch, max_tokens))
 
     @torch.inference_mode()
     def forward(
@@ -542,11 +543,6 @@ class TensorParallelRunner:
                     return
 
 
-def _warmup(runner: Any, max_batch: int, max_tokens: int) -> int:
-    warm = getattr(runner, "warmup", None)
-    return warm(max_batch, max_tokens) if warm is not None else 0
-
-
 def follow(runner: Any, tp: TPContext) -> None:
     """Ranks > 0: replay rank 0's calls on this rank's shard until rank 0 closes the group. Raises
     `TensorParallelError` when rank 0 is lost (closed socket, or no heartbeat within the control timeout)
@@ -564,7 +560,7 @@ def follow(runner: Any, tp: TPContext) -> None:
                 if op == _ALLOCATE:
                     runner.allocate(a, b)
                 elif op == _WARMUP:
-                    _warmup(runner, a, b)
+                    warmup(runner, a, b or None)
                 elif op == _FORWARD:
                     n = B * T + 2 * B
                     if n <= _INLINE:
