@@ -90,11 +90,14 @@ class PromptLookupDrafter:
         self.lookup(context, 0, key=request_id)  # builds the request's index over the prompt
 
     def prepare(self, rows) -> None:
-        """Extend the drafting rows' indexes over every token committed since their last lookup (all of them
-        after steps without drafts), so that `propose` costs what a step of this K costs (the engine times it
-        apart)."""
+        """Catch up the indexes of drafting rows that fell behind by more than one drafting step commits (after
+        steps without drafts): a one-time cost the engine times apart from the step's. A row within one step's
+        tokens is left to `propose`, so what every drafting step pays stays in its price."""
         for r in rows:
-            if r.num_draft:
+            if not r.num_draft:
+                continue
+            index = self._index.get(r.request_id)
+            if len(r.context) - (len(index.tokens) if index is not None else 0) > r.num_draft + 1:
                 self.lookup(r.context, 0, key=r.request_id)
 
     def propose(self, rows, k, sampling, steps, draft_top_k) -> DraftBlock:

@@ -296,10 +296,10 @@ class SpeculativeEngine:
             rows = [DraftRequest(s.request_id, s.context, w) for s, w in zip(states, wants)]
             prepare = getattr(self.drafter, "prepare", None)
             if prepare is not None:
-                # The drafter's catch-up on every token committed since it last drafted (prompt lookup's index):
-                # after a run of K = 0 steps that is one step's worth per step skipped, a one-time price of
-                # switching K on, not of this K. The policy's cost for K leaves it out (H100, 32 streams: an
-                # exploring K = 1 step measured 2.2x a decode step with it, and speculation never came back).
+                # The drafter's catch-up on the tokens committed while it was not drafting (prompt lookup's index
+                # after a run of K = 0 steps): a one-time price of switching K on, not of this K, so the policy's
+                # cost for K leaves it out (H100, 32 streams: an exploring K = 1 step measured 2.2x a decode step
+                # with it, and speculation never came back). What every drafting step pays stays in `propose`.
                 t_prep = time.perf_counter()
                 prepare(rows)
                 catch_up_s = time.perf_counter() - t_prep
