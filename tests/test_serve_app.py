@@ -297,7 +297,17 @@ def test_client_disconnect_cancels_and_last_event_id_resumes_without_regeneratin
 
     ids, _, _ = stream_ids(server, LONG, on_event)
     rid = seen["eid"].rsplit(":", 1)[0]
-    fields = wait_for(lambda: (f := request_fields(redis_client, rid)).get("status") == "cancelled" and f)
+    last: dict = {}
+
+    def cancelled():
+        last.clear()
+        last.update(request_fields(redis_client, rid))
+        return last.get("status") == "cancelled" and dict(last)
+
+    try:
+        fields = wait_for(cancelled)
+    except TimeoutError:  # seen once in CI (2-core machine): say what the request did instead
+        raise AssertionError(f"not cancelled within 20 s of the client leaving; its fields: {last}") from None
     stopped_at = int(fields["step"])
     assert stopped_at < 200, "the work went on after the client left"
     time.sleep(0.3)
