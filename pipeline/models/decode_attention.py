@@ -127,20 +127,21 @@ _DOT_PRECISION_F32 = "tf32x3"
 
 def launch_plan(B: int, Hkv: int, M: int, D: int, S: int, device: torch.device, num_splits: int | None = None,
                 block_n: int | None = None) -> dict[str, int]:
-    """Block sizes, key chunk and number of splits of `triton_slot_attention` for these shapes (host-only)."""
+    """Block sizes, number of splits and smallest key chunk of `triton_slot_attention` for these shapes (host-only;
+    the kernels size each block's chunks from its positions)."""
     block_d = max(16, _pow2(D))
     block_m = min(64, max(16, _pow2(M)))  # tl.dot needs >= 16 rows
     block_n = block_n or (64 if block_d <= 128 else 32)
     m_blocks = -(-M // block_m)
     if num_splits is None:
-        num_splits, chunk = plan_splits(S, B * Hkv * m_blocks, block_n, _sm_count(device))
+        num_splits, _ = plan_splits(S, B * Hkv * m_blocks, block_n, _sm_count(device))
         min_chunk = -(-MIN_CHUNK // block_n) * block_n
     else:  # forced (tests, tuning): chunks as small as one key block, so short contexts use the splits too
         chunk = -(-(-(-S // num_splits)) // block_n) * block_n
         num_splits = -(-S // chunk)
         min_chunk = block_n
     return {"BLOCK_D": block_d, "BLOCK_M": block_m, "BLOCK_N": block_n, "m_blocks": m_blocks,
-            "num_splits": num_splits, "chunk": chunk, "min_chunk": min_chunk}
+            "num_splits": num_splits, "min_chunk": min_chunk}
 
 
 def triton_slot_attention(
