@@ -158,9 +158,12 @@ def fused_case(torch, fl, mode, M, N, K, bias) -> dict:
 def tp_fused_case(torch, fl, R: int, M: int) -> dict:
     """R ranks of a row-parallel output projection and MLP, simulated in one process: each rank pushes its
     partials into every rank's site buffers (`SiteBuffers` over plain memory, peer addresses in one address
-    space), then adds them to its residual stream (`reduce_into`), three steps in a row. Against the unsharded
-    eager bf16 math; every rank must hold the same residual bits, its counters exactly epoch * R (one push per
-    rank and step) and its tickets back at 0. The negative control drops one rank's partial from the reference."""
+    space) and they are added to its residual stream, three steps in a row. The interpreter runs one launch
+    after the other, so a rank can sum in its producer (`push(sum_into=)`, the GPU default) only once every
+    other rank has pushed: ranks 0..R-2 push and then sum with `reduce_into`, rank R-1 pushes and sums in one
+    launch, with 32-column programs where the others use 16 (the unit counters make the two agree). Against the
+    unsharded eager bf16 math; every rank must hold the same residual bits and every unit counter exactly
+    epoch * R. The negative control drops one rank's partial from the reference."""
     import torch.nn.functional as F
 
     from pipeline.models.graphs import rms_norm
@@ -176,6 +179,7 @@ def tp_fused_case(torch, fl, R: int, M: int) -> dict:
     sites = [SiteBuffers(b, [b_.data_ptr() for b_ in bufs], r, 16, C, 4) for r, b in enumerate(bufs)]
     gate_r = lambda r: torch.cat([w13[r * I:(r + 1) * I], w13[(R + r) * I:(R + r + 1) * I]])  # noqa: E731
     x = torch.randn(M, C, generator=g).to(bf)
+    cfg = {False: fl.FusedConfig(16, 16, 4, 2), True: fl.FusedConfig(32, 16, 4, 2)}  # by "is the last rank"
     err = wrong = 0.0
     same = True
     for step in range(3):
@@ -187,25 +191,27 @@ def tp_fused_case(torch, fl, R: int, M: int) -> dict:
         short = x + F.linear(y[:, :Kin], wo[:, :Kin])  # rank 0's partial only
         for s in sites:
             s.begin()
-        for r, s in enumerate(sites):  # producers: output projection partials (site 0)
-            fl.fused_linear(y[:, r * Kin:(r + 1) * Kin].contiguous(), wo[:, r * Kin:(r + 1) * Kin].contiguous(),
-                            push=s.push(0))
         xs = [x.clone() for _ in sites]
-        for r, s in enumerate(sites):
-            s.reduce_into(xs[r], 0)
+
+        def row_parallel(site: int, inp: list, w: torch.Tensor, k: int) -> None:
+            for r, s in enumerate(sites):  # producers; the last one sums in its own programs
+                last = r == R - 1
+                fl.fused_linear(inp[r], w[:, r * k:(r + 1) * k].contiguous(), config=cfg[last],
+                                push=s.push(site, sum_into=xs[r] if last else None))
+            for r, s in enumerate(sites[:-1]):
+                s.reduce_into(xs[r], site)
+
+        row_parallel(0, [y[:, r * Kin:(r + 1) * Kin].contiguous() for r in range(R)], wo, Kin)  # output projection
         x1 = [t.clone() for t in xs]
         h = [fl.fused_linear(xs[r], gate_r(r), norm_w=nw, eps=eps, gate=True) for r in range(R)]
-        for r, s in enumerate(sites):  # down projection partials (site 1)
-            fl.fused_linear(h[r], w2[:, r * I:(r + 1) * I].contiguous(), push=s.push(1))
-        for r, s in enumerate(sites):
-            s.reduce_into(xs[r], 1)
+        row_parallel(1, h, w2, I)  # down projection
         same = same and all(torch.equal(x1[0], a) and torch.equal(xs[0], b) for a, b in zip(x1, xs))
         scale = float(ref2.float().abs().max())
         err = max(err, float((x1[0].float() - ref1.float()).abs().max()) / scale,
                   float((xs[0].float() - ref2.float()).abs().max()) / scale)
         wrong = max(wrong, float((x1[0].float() - short.float()).abs().max()) / scale)
         x = xs[0]
-    counters_ok = all(s.counters[:2].tolist() == [3 * R] * 2 and int(s.epoch) == 3 and not s.tickets.any()
+    counters_ok = all(bool((s.counters[:2] == 3 * R).all()) and not s.counters[2:].any() and int(s.epoch) == 3
                       for s in sites)
     return {"err": err, "tol": TOL["bfloat16"], "negative_control": wrong, "ok": same and counters_ok and wrong > 0.1}
 

@@ -25,9 +25,10 @@ per BLOCK_N output columns over the whole depth K (no split, so the epilogue see
   drafters (`quantize_fp8`), whose precision changes only how often drafts are accepted, never the output.
 
 - PUSH (tensor parallel, `pipeline.models.tp_fused`): the float32 result (bias included, unrounded) goes not
-  to y but to this rank's slot of every rank's partial buffer of a site (peer memory); the last program to
-  finish then adds 1 to every rank's counter of the site. `reduce_partials_kernel` is the other half: it waits
-  for the counter and adds the ranks' partials to the residual stream in rank order.
+  to y but to this rank's slot of every rank's partial buffer of a site (peer memory); the program then adds 1
+  to every rank's counter of each 16 columns it wrote (its `UNITS`). SUM: it then waits until its own units'
+  counters show every rank's push of this forward and adds the ranks' partials, in rank order, to RES (the
+  residual stream) in place. Without SUM, `reduce_partials_kernel` does that half in a kernel of its own.
 
 USE_PDL: programmatic dependent launch (`pipeline.models.pdl`): wait for the previous kernel before touching x,
 res or y; let the next kernel launch after the K loop (LATE_TRIGGER) or right after the wait. With PREFETCH,
@@ -89,10 +90,10 @@ def _mul_rounded(a, b, IN_F32: tl.constexpr):
 @triton.jit
 def fused_linear_kernel(
     X, NORM_W, W, W_SCALE, BIAS, RES, Y,
-    PEER_PARTS, PEER_COUNTERS, TICKET,
+    PEER_PARTS, PEER_UNITS, PARTS, UNIT_CNT, EPOCH,
     M, N, K, N_UP, XT, PF_BYTES, PF_STEP,
     s_xb, s_xt, s_xj, s_wn, s_rm, s_ym,
-    s_pm, my_part,
+    s_pm, my_part, s_pr, spin_ns,
     eps,
     XD: tl.constexpr,
     M_PAD: tl.constexpr,
@@ -114,6 +115,10 @@ def fused_linear_kernel(
     DOT_IN_F32: tl.constexpr,  # interpreter + bf16 only: Triton 3.6's interpreter multiplies bf16 as raw bits
     PUSH: tl.constexpr,  # tensor parallel: the float32 result goes to every rank's partials of a site, not to Y
     N_RANKS: tl.constexpr,
+    SUM: tl.constexpr,  # with PUSH: wait for every rank's partials of this program's columns, add them to RES
+    UNITS: tl.constexpr,  # with PUSH: BLOCK_N // 16, the counters a program signals (and, with SUM, waits for)
+    RANKS_POW2: tl.constexpr,  # with PUSH: N_RANKS rounded up to a power of two
+    SPIN_LIMIT: tl.constexpr,  # with SUM: trap after spin_ns of waiting
 ):
     DT = X.dtype.element_ty  # the model's activation dtype: products and roundings in it
     pid = tl.program_id(0)
@@ -212,16 +217,14 @@ def fused_linear_kernel(
         for r in tl.static_range(N_RANKS):
             dst = tl.load(PEER_PARTS + r).to(tl.pointer_type(tl.float32)) + my_part
             tl.store(dst + offs_m[:, None] * s_pm + offs_n[None, :], acc, mask=mask)
-        tl.debug_barrier()  # every thread's stores are issued before the release below
-        # One signal per rank and site, not one per program: many programs' atomics on one remote address
-        # serialise over NVLink (about 7 us more a site at 4 ranks, H200). Each program takes a ticket on this
-        # GPU (its release covers its peer stores); the last one resets it and adds 1 to every rank's counter.
-        ticket = tl.atomic_add(TICKET, 1, sem="acq_rel", scope="sys")
-        if ticket == tl.num_programs(0) - 1:
-            tl.atomic_xchg(TICKET, 0, sem="relaxed", scope="gpu")  # no program of this launch takes one again
-            for r in tl.static_range(N_RANKS):
-                tl.atomic_add(tl.load(PEER_COUNTERS + r).to(tl.pointer_type(tl.int64)), 1,
-                              sem="release", scope="sys")
+        tl.debug_barrier()  # every thread's stores are issued before the releases below
+        # One signal per rank and 16 columns, all at once (one thread each): counters at distinct addresses,
+        # so the remote atomics do not queue on one address (many on one measured ~7 us a site at 4 ranks).
+        n_units = tl.cdiv(N, 16)
+        _signal_units(PEER_UNITS, pid * UNITS, n_units, UNITS, N_RANKS, RANKS_POW2)
+        if SUM:
+            _wait_units(UNIT_CNT, pid * UNITS, n_units, tl.load(EPOCH) * N_RANKS, spin_ns, UNITS, SPIN_LIMIT)
+            _sum_parts(RES, s_rm, PARTS, s_pr, s_pm, offs_m, offs_n, mask, N_RANKS)
     else:
         tl.store(Y + offs_m[:, None] * s_ym + offs_n[None, :], out.to(Y.dtype.element_ty), mask=mask)
 
@@ -239,34 +242,68 @@ def bump_epoch_kernel(EPOCH):
 
 
 @triton.jit
+def _signal_units(PEER_UNITS, u0, n_units, UNITS: tl.constexpr, N_RANKS: tl.constexpr, RANKS_POW2: tl.constexpr):
+    """Add 1 (release, system scope) to counters u0 .. u0 + UNITS - 1 (those below n_units) of every rank, one
+    atomic per element of a [ranks, units] tile: Triton gives each element one thread, so they go out together.
+    The caller's barrier before it puts every thread's earlier stores under the releases."""
+    r = tl.arange(0, RANKS_POW2)
+    u = u0 + tl.arange(0, UNITS)
+    base = tl.load(PEER_UNITS + r, mask=r < N_RANKS, other=0).to(tl.pointer_type(tl.int64))
+    ok = (r < N_RANKS)[:, None] & (u < n_units)[None, :]
+    tl.atomic_add(base[:, None] + u[None, :], tl.full([RANKS_POW2, UNITS], 1, tl.int64), mask=ok, sem="release",
+                  scope="sys")
+
+
+@triton.jit
+def _wait_units(UNIT_CNT, u0, n_units, want, spin_ns, UNITS: tl.constexpr, SPIN_LIMIT: tl.constexpr):
+    """Spin until this rank's counters u0 .. u0 + UNITS - 1 (those below n_units) reach `want` (acquire, system
+    scope); trap after spin_ns with SPIN_LIMIT (the interpreter has no timer)."""
+    t0 = tl.extra.cuda.globaltimer() if SPIN_LIMIT else 0
+    for j in tl.static_range(UNITS):  # one counter at a time: a loop carrying a tensor does not compile (3.6)
+        if u0 + j < n_units:
+            while tl.atomic_add(UNIT_CNT + u0 + j, 0, sem="acquire", scope="sys") < want:
+                if SPIN_LIMIT:
+                    if tl.extra.cuda.globaltimer() - t0 > spin_ns:
+                        _trap()
+
+
+@triton.jit
+def _sum_parts(X, s_xm, PARTS, s_pr, s_pm, offs_m, offs_n, mask, N_RANKS: tl.constexpr):
+    """X[m, n] += the N_RANKS float32 partials at PARTS[r, m, n], summed in rank order onto X's value in float32
+    and rounded once: every rank computes the same bits. Partials are read through L2 only (peers wrote them)."""
+    DT = X.dtype.element_ty
+    ptrs = offs_m[:, None] * s_xm + offs_n[None, :]
+    acc = tl.load(X + ptrs, mask=mask, other=0.0).to(tl.float32)
+    for r in tl.static_range(N_RANKS):
+        acc += tl.load(PARTS + r * s_pr + offs_m[:, None] * s_pm + offs_n[None, :], mask=mask, other=0.0,
+                       cache_modifier=".cg")
+    tl.store(X + ptrs, acc.to(DT), mask=mask)
+
+
+@triton.jit
 def reduce_partials_kernel(
-    X, PARTS, COUNTER, EPOCH,
-    M, C, s_xm, s_pr, s_pm, per_epoch, spin_ns,
+    X, PARTS, UNIT_CNT, EPOCH,
+    M, C, s_xm, s_pr, s_pm, spin_ns,
     N_RANKS: tl.constexpr,
+    M_PAD: tl.constexpr,
     BLOCK_C: tl.constexpr,
     USE_PDL: tl.constexpr,
     SPIN_LIMIT: tl.constexpr,
 ):
-    """Tensor parallel: X[m, :] += the N_RANKS partials of a site (float32, summed in rank order, one rounding),
-    in place, once COUNTER shows every rank's push of this epoch (pipeline.models.tp_fused)."""
-    DT = X.dtype.element_ty
-    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    ok = cols < C
+    """Tensor parallel, the sum as a kernel of its own (`tp_fused.SiteBuffers.reduce_into`): X[m, cols] += the
+    N_RANKS partials of a site once its unit counters of these columns show every rank's push of this epoch.
+    The same waits and sums as `fused_linear_kernel`'s SUM epilogue."""
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_C + tl.arange(0, BLOCK_C)
+    offs_m = tl.arange(0, M_PAD)
+    mask = (offs_m < M)[:, None] & (offs_n < C)[None, :]
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-    want = tl.load(EPOCH) * per_epoch
-    t0 = tl.extra.cuda.globaltimer() if SPIN_LIMIT else 0  # the interpreter has no timer
-    while tl.atomic_add(COUNTER, 0, sem="acquire", scope="sys") < want:
-        if SPIN_LIMIT:
-            if tl.extra.cuda.globaltimer() - t0 > spin_ns:
-                _trap()
+    _wait_units(UNIT_CNT, pid * (BLOCK_C // 16), tl.cdiv(C, 16), tl.load(EPOCH) * N_RANKS, spin_ns, BLOCK_C // 16,
+                SPIN_LIMIT)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    for m in range(M):
-        acc = tl.load(X + m * s_xm + cols, mask=ok, other=0.0).to(tl.float32)
-        for r in tl.static_range(N_RANKS):
-            acc += tl.load(PARTS + r * s_pr + m * s_pm + cols, mask=ok, other=0.0, cache_modifier=".cg")
-        tl.store(X + m * s_xm + cols, acc.to(DT), mask=ok)
+    _sum_parts(X, s_xm, PARTS, s_pr, s_pm, offs_m, offs_n, mask, N_RANKS)
 
 
 def interpreted() -> bool:

@@ -7,30 +7,42 @@ sum at batch 1 on an H100. Here:
 
 - the producer (`fused_linear(..., push=)`, the fused layer's output and down projections) writes its float32
   partial straight into slot `rank` of every rank's buffer of that *site* (peer memory over NVLink, PyTorch
-  symmetric memory, never multicast); the last of its programs to finish (a ticket on this GPU) then adds 1
-  to every rank's counter of the site (release, system scope). One remote atomic per rank and site: one per
-  program, all on one address, measured about 7 us more a site at 4 ranks (H200);
-- `reduce_into` (one small kernel) waits until this rank's counter of the site reaches `epoch * ranks`
-  (acquire), then adds the ranks' partials to the residual stream in place, summed in float32 in rank order
-  and rounded once, so every rank holds the same bits. The next fused linear reads it as usual.
+  symmetric memory, never multicast). Each of its programs then adds 1 to every rank's counter of each 16
+  columns (`fused_linear.UNIT`) it wrote (release, system scope): counters at distinct addresses, sent together.
+  (One counter per site, bumped by every program, queued on one address: about 7 us more a site at 4 ranks,
+  H200. One per site bumped by the last program, the design before this one, made every consumer wait for the
+  slowest program of every rank.)
+- the sum (`SUM_IN_PRODUCER`, the default): each program of the producer then waits until its own columns'
+  counters reach `epoch * ranks` (acquire) and adds the ranks' partials of those columns to the residual stream
+  in place, summed in float32 in rank order and rounded once, so every rank holds the same bits. The next fused
+  linear reads it as usual. The same ranks' programs of a site finish at about the same time, so a program
+  waits for its peers' twins, not for a whole kernel; and no kernel sits between the producer and the next
+  linear. (`SPECSERVE_TP_SUM=kernel`: `reduce_into`, one small kernel per sum after the producer, the same
+  waits and sums; the design measured until stop 18, kept for A/B runs and the interpreter tests.)
 
-So a sum costs one small kernel instead of a copy and an all-reduce kernel. Measured (BENCHMARKS.md, issue 6,
-batch-1 decode, "fused" against "symm" in the same processes, with the chain-timed linear tuner):
+A waiting program holds its multiprocessor, and it waits for a peer's program of the same columns. That cannot
+deadlock while the GPU starts a grid's programs in index order (as it does): the lowest program index not yet
+started on any rank has every lower index started on every rank, and those finish without waiting for it. The
+next kernel's programs, launched early by PDL, only start once every program of this one has (its trigger).
+
+So a sum costs no kernel at all (`reduce_into`: one small kernel) instead of a copy and an all-reduce kernel.
+Measured (BENCHMARKS.md, issue 6, batch-1 decode, "fused" against "symm" in the same processes, with the
+chain-timed linear tuner; with `reduce_into`, before the sum moved into the producer):
 - 2x H100, Llama-3-8B shape: TP=2 3.71 vs 4.33 ms a step;
 - 4x H100: 8B at TP=4 2.81 vs 4.06 ms, 70B at TP=4 15.3 vs 19.0 ms.
 `tensor_parallel_graphs(..., allreduce="auto")` therefore takes it at 2 and 4 ranks (`FUSED_AUTO_RANKS`). Before
 the tuner fix it was even at TP=4 on H100s and 31% slower on H200s (not re-measured since). Summing the partials
-inside the next linear's RMSNorm prologue instead (no kernel at all) was slower on the H200s (3.81 and 4.27 ms):
-every program of that linear has to read every rank's partial before its first weight tile.
+inside the next linear's RMSNorm prologue instead was slower on the H200s (3.81 and 4.27 ms): every program of
+that linear has to read every rank's partial before its first weight tile.
 
 Site s of a step: 2i is layer i's output projection, 2i+1 its down projection. `epoch` counts forwards
 (`begin()`, a one-thread kernel at the start of each); counters only grow (int64), so nothing is reset
-between steps or CUDA graph replays. Every forward must therefore push and reduce every site once (`reset()`
+between steps or CUDA graph replays. Every forward must therefore push and sum every site once (`reset()`
 after anything else, like `self_test`). Two partial buffers (even and odd sites) are enough: rank A writes
-site s+2's partials only after its reduce of s+1 saw every rank's s+1 partials, which each rank pushed only
-after its reduce of s had finished (every kernel waits for its predecessor before it writes).
+site s+2's partials only after its sum of s+1 saw every rank's s+1 partials, which each rank pushed only
+after its sum of s had finished (every kernel waits for its predecessor before it writes).
 
-A rank that dies mid-step must not leave its peers' GPUs spinning: `reduce_into` gives up after
+A rank that dies mid-step must not leave its peers' GPUs spinning: a wait gives up after
 `SPECSERVE_TP_SPIN_TIMEOUT_S` (default 120 s) and traps, which fails that process's CUDA context and with it the
 replica (seen on 4 H200s: a wrong count made all four ranks exit, none hung).
 
@@ -42,21 +54,23 @@ layout and the protocol are tested on CPU under Triton's interpreter with the ra
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
-from pipeline.models.fused_linear import Push
+from pipeline.models.fused_linear import UNIT, Push
 
 _ALIGN = 256
 # How long `reduce_into` waits for the other ranks' partials before it gives up and fails its process's CUDA
 # context: a rank that died mid-step must not leave its peers' GPUs spinning for ever. Generous: a peer's first
 # call of a shape may compile and tune kernels in between.
 SPIN_TIMEOUT_S = float(os.environ.get("SPECSERVE_TP_SPIN_TIMEOUT_S", "120"))
+# Where a sum over ranks runs: in the producing linear's programs (default), or in a kernel after it (A/B runs).
+SUM_IN_PRODUCER = os.environ.get("SPECSERVE_TP_SUM", "producer") != "kernel"
 
 
 class SiteBuffers:
-    """One rank's view of the partial buffers and counters of every site (see the module doc).
+    """One rank's view of the partial buffers and unit counters of every site (see the module doc).
 
     `buf`: this rank's block of `SiteBuffers.nbytes(...)` bytes, zeroed, in memory every rank can write
     (symmetric memory; plain memory for tests); `bases`: every rank's block address, in rank order."""
@@ -66,21 +80,21 @@ class SiteBuffers:
         R = len(bases)
         assert 0 <= rank < R and buf.dtype == torch.uint8 and buf.numel() >= self.nbytes(R, rows, hidden, n_sites)
         self.rank, self.n_ranks, self.rows, self.hidden, self.n_sites = rank, R, rows, hidden, n_sites
+        self.n_units = -(-hidden // UNIT)
         part_bytes = R * rows * hidden * 4
         cnt_off = _round_up(2 * part_bytes)
         self.parts = buf[: 2 * part_bytes].view(torch.float32).view(2, R, rows, hidden)
-        self.counters = buf[cnt_off : cnt_off + 8 * n_sites].view(torch.int64)
+        self.counters = buf[cnt_off : cnt_off + 8 * n_sites * self.n_units].view(torch.int64).view(n_sites, -1)
         dev = buf.device
         self.epoch = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.tickets = torch.zeros(n_sites, dtype=torch.int32, device=dev)  # this rank's producers' programs
         self._peer_parts = [torch.tensor([b + p * part_bytes for b in bases], dtype=torch.int64, device=dev)
                             for p in range(2)]
-        self._peer_counters = torch.tensor([[b + cnt_off + 8 * s for b in bases] for s in range(n_sites)],
-                                           dtype=torch.int64, device=dev)
+        self._peer_units = torch.tensor([[b + cnt_off + 8 * s * self.n_units for b in bases] for s in range(n_sites)],
+                                        dtype=torch.int64, device=dev)
 
     @staticmethod
     def nbytes(n_ranks: int, rows: int, hidden: int, n_sites: int) -> int:
-        return _round_up(2 * n_ranks * rows * hidden * 4) + 8 * n_sites
+        return _round_up(2 * n_ranks * rows * hidden * 4) + 8 * n_sites * -(-hidden // UNIT)
 
     def begin(self) -> None:
         """Start a forward: epoch += 1 (one kernel, ordinary stream order)."""
@@ -93,17 +107,18 @@ class SiteBuffers:
         import torch.distributed as dist
 
         self.counters.zero_()
-        self.tickets.zero_()
         self.epoch.zero_()
         if self.epoch.is_cuda:
             torch.cuda.synchronize(self.epoch.device)
         if dist.is_initialized():
             dist.barrier(group=group)  # no rank pushes into a block that is not yet zeroed
 
-    def push(self, site: int) -> Push:
+    def push(self, site: int, sum_into: Optional[torch.Tensor] = None) -> Push:
+        """The producer's side of `site`; with `sum_into` (the residual stream) it adds every rank's partials
+        there itself, else `reduce_into` must follow."""
         assert 0 <= site < self.n_sites, site
-        return Push(self._peer_parts[site % 2], self._peer_counters[site], self.tickets[site : site + 1], self.rank,
-                    self.rows)
+        return Push(self._peer_parts[site % 2], self._peer_units[site], self.rank, self.rows,
+                    self.parts[site % 2], self.counters[site], self.epoch, _spin_ns(), sum_into)
 
     def reduce_into(self, x: torch.Tensor, site: int, use_pdl: bool = False) -> None:
         """x [M, C] += every rank's partial of `site`, in place, once they are all in (one small kernel)."""
@@ -113,12 +128,20 @@ class SiteBuffers:
         M, C = x.shape
         assert C == self.hidden and M <= self.rows and x.stride(1) == 1, (tuple(x.shape), self.hidden, self.rows)
         parts = self.parts[site % 2]
-        block = min(1024, _next_pow2(C))
+        block = 64
         kern.reduce_partials_kernel[(-(-C // block),)](
-            x, parts, self.counters[site : site + 1], self.epoch,
-            M, C, x.stride(0), parts.stride(0), parts.stride(1), self.n_ranks, int(SPIN_TIMEOUT_S * 1e9),
-            N_RANKS=self.n_ranks, BLOCK_C=block, USE_PDL=use_pdl,
-            SPIN_LIMIT=SPIN_TIMEOUT_S > 0 and not kern.interpreted(), num_warps=4, **launch_kwargs(use_pdl))
+            x, parts, self.counters[site], self.epoch,
+            M, C, x.stride(0), parts.stride(0), parts.stride(1), _spin_ns(),
+            N_RANKS=self.n_ranks, M_PAD=_next_pow2(M), BLOCK_C=block, USE_PDL=use_pdl,
+            SPIN_LIMIT=_spin_ns() > 0, num_warps=4, **launch_kwargs(use_pdl))
+
+
+def _spin_ns() -> int:
+    """How long a wait for the other ranks may spin before it traps, in ns (0: no limit; under the interpreter,
+    which has no timer, always 0)."""
+    from pipeline.models import fused_linear_triton as kern
+
+    return 0 if kern.interpreted() else int(SPIN_TIMEOUT_S * 1e9)
 
 
 def _next_pow2(n: int) -> int:
@@ -149,8 +172,8 @@ def symmetric_sites(group: Any, device: torch.device, rows: int, hidden: int, n_
 
 def self_test(sites: SiteBuffers, group: Any, dtype: torch.dtype, reps: int = 2) -> None:
     """Push small-integer partials (different on every rank, so every sum is exact) through both partial buffers
-    and reduce them into a residual stream, `reps` times: a setup whose peer writes or counters do not arrive
-    exactly is refused here, on every rank at once, not met mid-request."""
+    and sum them into a residual stream as the forwards will (`SUM_IN_PRODUCER`), `reps` times: a setup whose
+    peer writes or counters do not arrive exactly is refused here, on every rank at once, not met mid-request."""
     import torch.distributed as dist
 
     from pipeline.models import fused_linear as fl
@@ -166,9 +189,10 @@ def self_test(sites: SiteBuffers, group: Any, dtype: torch.dtype, reps: int = 2)
         res = torch.arange(M * C, device=dev).remainder(5).to(dtype).view(M, C)
         for site in (0, 1):
             w = [((n + k + r + rep + site) % 3 - 1).to(dtype) for r in range(R)]  # [C, K] of -1, 0, 1
-            fl.fused_linear(x, w[sites.rank], push=sites.push(site))
             want = (res.float() + sum(x.float() @ wr.float().T for wr in w)).to(dtype)
-            sites.reduce_into(res, site)
+            fl.fused_linear(x, w[sites.rank], push=sites.push(site, sum_into=res if SUM_IN_PRODUCER else None))
+            if not SUM_IN_PRODUCER:
+                sites.reduce_into(res, site)
             ok = ok and torch.equal(res, want)
     flag = torch.tensor([0 if ok else 1], device=dev)
     dist.all_reduce(flag, group=group)  # after every rank's reduces, hence after every push into this rank
