@@ -258,13 +258,20 @@ def _signal_units(PEER_UNITS, u0, n_units, UNITS: tl.constexpr, N_RANKS: tl.cons
 def _wait_units(UNIT_CNT, u0, n_units, want, spin_ns, UNITS: tl.constexpr, SPIN_LIMIT: tl.constexpr):
     """Spin until this rank's counters u0 .. u0 + UNITS - 1 (those below n_units) reach `want` (acquire, system
     scope); trap after spin_ns with SPIN_LIMIT (the interpreter has no timer)."""
+    u = u0 + tl.arange(0, UNITS)
+    ok = u < n_units
     t0 = tl.extra.cuda.globaltimer() if SPIN_LIMIT else 0
-    for j in tl.static_range(UNITS):  # one counter at a time: a loop carrying a tensor does not compile (3.6)
-        if u0 + j < n_units:
-            while tl.atomic_add(UNIT_CNT + u0 + j, 0, sem="acquire", scope="sys") < want:
-                if SPIN_LIMIT:
-                    if tl.extra.cuda.globaltimer() - t0 > spin_ns:
-                        _trap()
+    while _min_count(UNIT_CNT + u, ok, want) < want:  # all counters in one round trip a poll
+        if SPIN_LIMIT:
+            if tl.extra.cuda.globaltimer() - t0 > spin_ns:
+                _trap()
+
+
+@triton.jit
+def _min_count(ptrs, ok, want):
+    """The smallest of the counters at ptrs where ok (acquire, system scope: one thread an element)."""
+    seen = tl.atomic_add(ptrs, tl.zeros(ptrs.shape, tl.int64), mask=ok, sem="acquire", scope="sys")
+    return tl.min(tl.where(ok, seen, want))
 
 
 @triton.jit

@@ -67,6 +67,8 @@ _ALIGN = 256
 SPIN_TIMEOUT_S = float(os.environ.get("SPECSERVE_TP_SPIN_TIMEOUT_S", "120"))
 # Where a sum over ranks runs: in the producing linear's programs (default), or in a kernel after it (A/B runs).
 SUM_IN_PRODUCER = os.environ.get("SPECSERVE_TP_SUM", "producer") != "kernel"
+# `reduce_into`'s columns a program (a power of two, at least 16)
+REDUCE_COLS = int(os.environ.get("SPECSERVE_TP_REDUCE_COLS", "64"))
 
 
 class SiteBuffers:
@@ -128,7 +130,7 @@ class SiteBuffers:
         M, C = x.shape
         assert C == self.hidden and M <= self.rows and x.stride(1) == 1, (tuple(x.shape), self.hidden, self.rows)
         parts = self.parts[site % 2]
-        block = 64
+        block = REDUCE_COLS
         kern.reduce_partials_kernel[(-(-C // block),)](
             x, parts, self.counters[site], self.epoch,
             M, C, x.stride(0), parts.stride(0), parts.stride(1), _spin_ns(),
