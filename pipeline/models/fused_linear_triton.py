@@ -296,6 +296,8 @@ def reduce_partials_kernel(
     BLOCK_C: tl.constexpr,
     USE_PDL: tl.constexpr,
     SPIN_LIMIT: tl.constexpr,
+    GRID_WAIT: tl.constexpr,  # with USE_PDL: wait for the producer's whole grid first (its counters suffice)
+    EARLY_TRIGGER: tl.constexpr,  # with USE_PDL: let the next kernel launch before the wait, not after it
 ):
     """Tensor parallel, the sum as a kernel of its own (`tp_fused.SiteBuffers.reduce_into`): X[m, cols] += the
     N_RANKS partials of a site once its unit counters of these columns show every rank's push of this epoch.
@@ -305,11 +307,15 @@ def reduce_partials_kernel(
     offs_m = tl.arange(0, M_PAD)
     mask = (offs_m < M)[:, None] & (offs_n < C)[None, :]
     if USE_PDL:
-        tl.extra.cuda.gdc_wait()
+        if GRID_WAIT:
+            tl.extra.cuda.gdc_wait()
+        if EARLY_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
     _wait_units(UNIT_CNT, pid * (BLOCK_C // 16), tl.cdiv(C, 16), tl.load(EPOCH) * N_RANKS, spin_ns, BLOCK_C // 16,
                 SPIN_LIMIT)
     if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+        if not EARLY_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
     _sum_parts(X, s_xm, PARTS, s_pr, s_pm, offs_m, offs_n, mask, N_RANKS)
 
 

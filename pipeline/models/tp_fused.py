@@ -69,6 +69,10 @@ SPIN_TIMEOUT_S = float(os.environ.get("SPECSERVE_TP_SPIN_TIMEOUT_S", "120"))
 SUM_IN_PRODUCER = os.environ.get("SPECSERVE_TP_SUM", "producer") != "kernel"
 # `reduce_into`'s columns a program (a power of two, at least 16)
 REDUCE_COLS = int(os.environ.get("SPECSERVE_TP_REDUCE_COLS", "64"))
+_REDUCE = os.environ.get("SPECSERVE_TP_REDUCE", "")  # A/B switches: "nowait", "early", "w1", comma-separated
+REDUCE_GRID_WAIT = "nowait" not in _REDUCE
+REDUCE_EARLY_TRIGGER = "early" in _REDUCE
+REDUCE_WARPS = 1 if "w1" in _REDUCE else 4
 
 
 class SiteBuffers:
@@ -135,7 +139,8 @@ class SiteBuffers:
             x, parts, self.counters[site], self.epoch,
             M, C, x.stride(0), parts.stride(0), parts.stride(1), _spin_ns(),
             N_RANKS=self.n_ranks, M_PAD=_next_pow2(M), BLOCK_C=block, USE_PDL=use_pdl,
-            SPIN_LIMIT=_spin_ns() > 0, num_warps=4, **launch_kwargs(use_pdl))
+            SPIN_LIMIT=_spin_ns() > 0, GRID_WAIT=REDUCE_GRID_WAIT, EARLY_TRIGGER=REDUCE_EARLY_TRIGGER,
+            num_warps=REDUCE_WARPS, **launch_kwargs(use_pdl))
 
 
 def _spin_ns() -> int:
