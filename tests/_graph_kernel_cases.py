@@ -158,12 +158,11 @@ def fused_case(torch, fl, mode, M, N, K, bias) -> dict:
 def tp_fused_case(torch, fl, R: int, M: int) -> dict:
     """R ranks of a row-parallel output projection and MLP, simulated in one process: each rank pushes its
     partials into every rank's site buffers (`SiteBuffers` over plain memory, peer addresses in one address
-    space) and they are added to its residual stream, three steps in a row. The interpreter runs one launch
-    after the other, so a rank can sum in its producer (`push(sum_into=)`, the GPU default) only once every
-    other rank has pushed: ranks 0..R-2 push and then sum with `reduce_into`, rank R-1 pushes and sums in one
-    launch, with 32-column programs where the others use 16 (the unit counters make the two agree). Against the
-    unsharded eager bf16 math; every rank must hold the same residual bits and every unit counter exactly
-    epoch * R. The negative control drops one rank's partial from the reference."""
+    space), then adds them to its residual stream (`reduce_into`), three steps in a row. The last rank's
+    producers run 32-column programs where the others run 16 (ranks may tune differently; the counters are per
+    16 columns, so they agree). Against the unsharded eager bf16 math; every rank must hold the same residual
+    bits and every unit counter exactly epoch * R (one push per rank and step). The negative control drops one
+    rank's partial from the reference."""
     import torch.nn.functional as F
 
     from pipeline.models.graphs import rms_norm
@@ -194,11 +193,10 @@ def tp_fused_case(torch, fl, R: int, M: int) -> dict:
         xs = [x.clone() for _ in sites]
 
         def row_parallel(site: int, inp: list, w: torch.Tensor, k: int) -> None:
-            for r, s in enumerate(sites):  # producers; the last one sums in its own programs
-                last = r == R - 1
-                fl.fused_linear(inp[r], w[:, r * k:(r + 1) * k].contiguous(), config=cfg[last],
-                                push=s.push(site, sum_into=xs[r] if last else None))
-            for r, s in enumerate(sites[:-1]):
+            for r, s in enumerate(sites):  # producers
+                fl.fused_linear(inp[r], w[:, r * k:(r + 1) * k].contiguous(), config=cfg[r == R - 1],
+                                push=s.push(site))
+            for r, s in enumerate(sites):
                 s.reduce_into(xs[r], site)
 
         row_parallel(0, [y[:, r * Kin:(r + 1) * Kin].contiguous() for r in range(R)], wo, Kin)  # output projection

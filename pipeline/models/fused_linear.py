@@ -36,9 +36,8 @@ a float32 scale per row, widened to bf16 in the kernel; half the bytes. A drafte
 never the output. H100: 8B-sized steps 22% faster, 1B-sized 9-11% (their cost is per-kernel latency).
 
 Tensor parallel (`push=`, `pipeline.models.tp_fused`): a row-parallel linear sends its float32 partial to every
-rank's symmetric-memory buffer from its epilogue instead of writing `out`, signals each 16-column unit it wrote,
-and (`Push.sum_into`) waits for the other ranks' partials of its own columns and adds them all to the residual
-stream: the sum over ranks needs no kernel of its own.
+rank's symmetric-memory buffer from its epilogue instead of writing `out`, and signals each 16 columns it wrote
+on every rank.
 
 Configuration: one program owns BLOCK_N output columns over the whole depth (no split-K: the epilogue needs
 the finished sum). `config_for` times a few (BLOCK_N, BLOCK_K) candidates once per shape on CUDA during the
@@ -161,18 +160,12 @@ UNIT = 16  # tensor parallel: columns per signal (the smallest BLOCK_N), see `Pu
 @dataclass(frozen=True)
 class Push:
     """Tensor parallel, a producer: the float32 result goes into slot `rank` of every rank's partials of a site
-    (peer memory); then each program adds 1, on every rank, to the counter of each `UNIT` columns it wrote.
-    With `sum_into` (the residual stream [M, C]) each program then waits until its columns' counters show every
-    rank's push of this forward (`epoch * R`) and adds the ranks' partials to them, in rank order, in place."""
+    (peer memory); then each program adds 1, on every rank, to the counter of each `UNIT` columns it wrote."""
     peer_parts: torch.Tensor  # [R] int64: the address of each rank's partials [R, rows, C] of the site
     peer_units: torch.Tensor  # [R] int64: the address of each rank's unit counters [ceil(C / UNIT)] of the site
     rank: int
     rows: int  # the partials' row capacity (their rank stride is rows * C)
-    parts: torch.Tensor  # this rank's partials of the site, [R, rows, C] float32
-    units: torch.Tensor  # this rank's unit counters of the site, [ceil(C / UNIT)] int64
-    epoch: torch.Tensor  # [1] int64: forwards so far (tp_fused.SiteBuffers.begin)
-    spin_ns: int  # a wait longer than this traps (0: no limit)
-    sum_into: Optional[torch.Tensor] = None  # [M, C]: sum here, in this kernel; None: `reduce_into` does it
+    width: int  # C, the partials' columns
 
 
 def _launch(x: torch.Tensor, M: int, K: int, row: tuple[int, int, int], col: tuple[int, int],
@@ -191,9 +184,7 @@ def _launch(x: torch.Tensor, M: int, K: int, row: tuple[int, int, int], col: tup
         raise RuntimeError("fused_linear on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
                            "before triton is first imported")
     assert push is None or (not gate and residual is None and M <= push.rows), "push: a plain linear of few rows"
-    assert push is None or push.parts.shape[2] == N, "push: the partials are as wide as the linear's output"
-    s_in = push.sum_into if push is not None else None
-    assert s_in is None or (s_in.shape == (M, N) and s_in.stride(1) == 1), "push: sum_into must be the [M, N] stream"
+    assert push is None or push.width == N, "push: the partials are as wide as the linear's output"
     assert norm_w is None or out is None or out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr(), \
         "a normed linear reads x after writing out: out must not share x's storage"
     if out is None:
@@ -208,15 +199,11 @@ def _launch(x: torch.Tensor, M: int, K: int, row: tuple[int, int, int], col: tup
     kern.fused_linear_kernel[(-(-N // c.block_n),)](
         x, norm_w if norm_w is not None else dummy, w, w_scale if w_scale is not None else dummy,
         bias if bias is not None else dummy,
-        residual if residual is not None else s_in if s_in is not None else dummy, out,
+        residual if residual is not None else dummy, out,
         push.peer_parts if push is not None else dummy, push.peer_units if push is not None else dummy,
-        push.parts if push is not None else dummy, push.units if push is not None else dummy,
-        push.epoch if push is not None else dummy,
         M, N, K, N if gate else 0, XT, pf, pf_step,
-        s_xb, s_xt, s_xj, w.stride(0),
-        residual.stride(0) if residual is not None else s_in.stride(0) if s_in is not None else 0,
+        s_xb, s_xt, s_xj, w.stride(0), residual.stride(0) if residual is not None else 0,
         out.stride(0) if push is None else 0, N, push.rank * push.rows * N if push is not None else 0,
-        push.rows * N if push is not None else 0, push.spin_ns if push is not None else 0,
         float(eps),
         XD=XD, M_PAD=m_pad(M), BLOCK_N=c.block_n, BLOCK_K=c.block_k, NORM=norm_w is not None, GATE=gate,
         RESIDUAL=residual is not None, HAS_BIAS=bias is not None, HAS_SCALE=w_scale is not None,
@@ -225,9 +212,7 @@ def _launch(x: torch.Tensor, M: int, K: int, row: tuple[int, int, int], col: tup
         USE_PDL=use_pdl, PREFETCH=pf > 0, PF_CHUNKS=chunks, LATE_TRIGGER=LATE_TRIGGER,
         DOT_IN_F32=kern.interpreted() and x.dtype == torch.bfloat16,
         PUSH=push is not None, N_RANKS=push.peer_parts.shape[0] if push is not None else 1,
-        SUM=s_in is not None, UNITS=c.block_n // UNIT,
-        RANKS_POW2=_pow2(push.peer_parts.shape[0]) if push is not None else 1,
-        SPIN_LIMIT=push is not None and push.spin_ns > 0,
+        UNITS=c.block_n // UNIT, RANKS_POW2=_pow2(push.peer_parts.shape[0]) if push is not None else 1,
         num_warps=c.num_warps, num_stages=c.num_stages, **launch_kwargs(use_pdl),
     )
     return out

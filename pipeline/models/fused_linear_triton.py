@@ -26,9 +26,9 @@ per BLOCK_N output columns over the whole depth K (no split, so the epilogue see
 
 - PUSH (tensor parallel, `pipeline.models.tp_fused`): the float32 result (bias included, unrounded) goes not
   to y but to this rank's slot of every rank's partial buffer of a site (peer memory); the program then adds 1
-  to every rank's counter of each 16 columns it wrote (its `UNITS`). SUM: it then waits until its own units'
-  counters show every rank's push of this forward and adds the ranks' partials, in rank order, to RES (the
-  residual stream) in place. Without SUM, `reduce_partials_kernel` does that half in a kernel of its own.
+  to every rank's counter of each 16 columns it wrote (its `UNITS`). `reduce_partials_kernel` is the other
+  half: it waits for the counters of its columns and adds the ranks' partials to the residual stream in rank
+  order.
 
 USE_PDL: programmatic dependent launch (`pipeline.models.pdl`): wait for the previous kernel before touching x,
 res or y; let the next kernel launch after the K loop (LATE_TRIGGER) or right after the wait. With PREFETCH,
@@ -90,10 +90,10 @@ def _mul_rounded(a, b, IN_F32: tl.constexpr):
 @triton.jit
 def fused_linear_kernel(
     X, NORM_W, W, W_SCALE, BIAS, RES, Y,
-    PEER_PARTS, PEER_UNITS, PARTS, UNIT_CNT, EPOCH,
+    PEER_PARTS, PEER_UNITS,
     M, N, K, N_UP, XT, PF_BYTES, PF_STEP,
     s_xb, s_xt, s_xj, s_wn, s_rm, s_ym,
-    s_pm, my_part, s_pr, spin_ns,
+    s_pm, my_part,
     eps,
     XD: tl.constexpr,
     M_PAD: tl.constexpr,
@@ -115,10 +115,8 @@ def fused_linear_kernel(
     DOT_IN_F32: tl.constexpr,  # interpreter + bf16 only: Triton 3.6's interpreter multiplies bf16 as raw bits
     PUSH: tl.constexpr,  # tensor parallel: the float32 result goes to every rank's partials of a site, not to Y
     N_RANKS: tl.constexpr,
-    SUM: tl.constexpr,  # with PUSH: wait for every rank's partials of this program's columns, add them to RES
-    UNITS: tl.constexpr,  # with PUSH: BLOCK_N // 16, the counters a program signals (and, with SUM, waits for)
+    UNITS: tl.constexpr,  # with PUSH: BLOCK_N // 16, the counters a program signals
     RANKS_POW2: tl.constexpr,  # with PUSH: N_RANKS rounded up to a power of two
-    SPIN_LIMIT: tl.constexpr,  # with SUM: trap after spin_ns of waiting
 ):
     DT = X.dtype.element_ty  # the model's activation dtype: products and roundings in it
     pid = tl.program_id(0)
@@ -222,9 +220,6 @@ def fused_linear_kernel(
         # so the remote atomics do not queue on one address (many on one measured ~7 us a site at 4 ranks).
         n_units = tl.cdiv(N, 16)
         _signal_units(PEER_UNITS, pid * UNITS, n_units, UNITS, N_RANKS, RANKS_POW2)
-        if SUM:
-            _wait_units(UNIT_CNT, pid * UNITS, n_units, tl.load(EPOCH) * N_RANKS, spin_ns, UNITS, SPIN_LIMIT)
-            _sum_parts(RES, s_rm, PARTS, s_pr, s_pm, offs_m, offs_n, mask, N_RANKS)
     else:
         tl.store(Y + offs_m[:, None] * s_ym + offs_n[None, :], out.to(Y.dtype.element_ty), mask=mask)
 
@@ -296,26 +291,18 @@ def reduce_partials_kernel(
     BLOCK_C: tl.constexpr,
     USE_PDL: tl.constexpr,
     SPIN_LIMIT: tl.constexpr,
-    GRID_WAIT: tl.constexpr,  # with USE_PDL: wait for the producer's whole grid first (its counters suffice)
-    EARLY_TRIGGER: tl.constexpr,  # with USE_PDL: let the next kernel launch before the wait, not after it
 ):
     """Tensor parallel, the sum as a kernel of its own (`tp_fused.SiteBuffers.reduce_into`): X[m, cols] += the
-    N_RANKS partials of a site once its unit counters of these columns show every rank's push of this epoch.
-    The same waits and sums as `fused_linear_kernel`'s SUM epilogue."""
+    N_RANKS partials of a site once its unit counters of these columns show every rank's push of this epoch."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_m = tl.arange(0, M_PAD)
     mask = (offs_m < M)[:, None] & (offs_n < C)[None, :]
-    if USE_PDL:
-        if GRID_WAIT:
-            tl.extra.cuda.gdc_wait()
-        if EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
+    # No PDL wait for the producer's grid (`tp_fused`: its counters order everything this kernel reads).
     _wait_units(UNIT_CNT, pid * (BLOCK_C // 16), tl.cdiv(C, 16), tl.load(EPOCH) * N_RANKS, spin_ns, BLOCK_C // 16,
                 SPIN_LIMIT)
     if USE_PDL:
-        if not EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     _sum_parts(X, s_xm, PARTS, s_pr, s_pm, offs_m, offs_n, mask, N_RANKS)
 
 

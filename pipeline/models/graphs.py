@@ -44,7 +44,6 @@ from torch import nn
 from pipeline.models.base import CausalLM
 from pipeline.models import fused_linear as fl
 from pipeline.models import pdl
-from pipeline.models import tp_fused
 from pipeline.models.decode_attention import resolve_attention, sdpa_mask, sdpa_slot_attention, triton_slot_attention
 from pipeline.models.llama import LlamaCausalLM
 from pipeline.models.rope_write import cache_rows, rope_split, triton_rope_write
@@ -483,26 +482,19 @@ class GraphCausalLM:
         """`_static_forward` as the fused layer (pipeline.models.fused_linear): seven Triton kernels a layer,
         chained with programmatic dependent launch where available; the residual stream is updated in place.
         Tensor parallel with `_tp_sites` (pipeline.models.tp_fused): the output and down projections push their
-        partials to every rank instead of adding them, and add every rank's partials of their columns to x."""
+        partials to every rank instead of adding them, and one small kernel each adds every rank's partials to x."""
         a, r = self.args, self.runner
         B, T = tokens.shape
         eps, p = a.norm_eps, self.use_pdl
         tp = self._tp_sites
-        tp_sum_in_producer = tp_fused.SUM_IN_PRODUCER
         pos = positions[:, None] + self._arange[:T]  # [B, T]
         scale = 1.0 / math.sqrt(a.head_dim)
         if tp is not None:
             tp.begin()
         x = r.model.tok_embeddings(tokens).view(B * T, -1)  # [B*T, C], a fresh tensor: updated in place
 
-        def add_to_x(site: int) -> dict:  # x += this linear's result (TP: every rank's partial of `site`)
-            if tp is None:
-                return {"residual": x, "out": x}
-            return {"push": tp.push(site, sum_into=x if tp_sum_in_producer else None)}
-
-        def reduce_into_x(site: int) -> None:  # TP with `SPECSERVE_TP_SUM=kernel`: the sum as a kernel of its own
-            if tp is not None and not tp_sum_in_producer:
-                tp.reduce_into(x, site, p)
+        def add_to_x(site: int) -> dict:  # x += this linear's result (TP: pushed as `site`'s partial, see below)
+            return {"push": tp.push(site)} if tp is not None else {"residual": x, "out": x}
 
         for i, (w, k_cache, v_cache) in enumerate(zip(self._layers, r.k_caches, r.v_caches)):
             q8 = self._fp8[i] if self._fp8 else {}
@@ -514,12 +506,14 @@ class GraphCausalLM:
             y = triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, a.sliding_window, use_pdl=p)
             wo, s_o = mat("wo")
             fl.fused_linear_heads(y, T, wo, w.bo, use_pdl=p, w_scale=s_o, **add_to_x(2 * i))
-            reduce_into_x(2 * i)
+            if tp is not None:
+                tp.reduce_into(x, 2 * i, p)
             w13, s_13 = mat("w13")
             h = fl.fused_linear(x, w13, w.b13, norm_w=w.ffn_norm, eps=eps, gate=True, use_pdl=p, w_scale=s_13)
             w2, s_2 = mat("w2")
             fl.fused_linear(h, w2, w.b2, use_pdl=p, w_scale=s_2, **add_to_x(2 * i + 1))
-            reduce_into_x(2 * i + 1)
+            if tp is not None:
+                tp.reduce_into(x, 2 * i + 1, p)
         m = r.model
         w_out, s_out = self._fp8_out or (m.output.weight, None)
         fl.fused_linear(x, w_out, norm_w=m.norm.weight, eps=eps, out=out.view(B * T, -1), use_pdl=p, w_scale=s_out)

@@ -8,41 +8,40 @@ sum at batch 1 on an H100. Here:
 - the producer (`fused_linear(..., push=)`, the fused layer's output and down projections) writes its float32
   partial straight into slot `rank` of every rank's buffer of that *site* (peer memory over NVLink, PyTorch
   symmetric memory, never multicast). Each of its programs then adds 1 to every rank's counter of each 16
-  columns (`fused_linear.UNIT`) it wrote (release, system scope): counters at distinct addresses, sent together.
-  (One counter per site, bumped by every program, queued on one address: about 7 us more a site at 4 ranks,
-  H200. One per site bumped by the last program, the design before this one, made every consumer wait for the
-  slowest program of every rank.)
-- the sum (`SUM_IN_PRODUCER`, the default): each program of the producer then waits until its own columns'
-  counters reach `epoch * ranks` (acquire) and adds the ranks' partials of those columns to the residual stream
-  in place, summed in float32 in rank order and rounded once, so every rank holds the same bits. The next fused
-  linear reads it as usual. The same ranks' programs of a site finish at about the same time, so a program
-  waits for its peers' twins, not for a whole kernel; and no kernel sits between the producer and the next
-  linear. (`SPECSERVE_TP_SUM=kernel`: `reduce_into`, one small kernel per sum after the producer, the same
-  waits and sums; the design measured until stop 18, kept for A/B runs and the interpreter tests.)
+  columns (`fused_linear.UNIT`) it wrote: one atomic a rank and unit, release, system scope, all sent at once.
+- `reduce_into` (one small kernel, 64 columns a program) waits until this rank's counters of its columns reach
+  `epoch * ranks` (acquire, one round trip a poll), then adds the ranks' partials to the residual stream in
+  place, summed in float32 in rank order and rounded once, so every rank holds the same bits. The next fused
+  linear reads it as usual.
 
-A waiting program holds its multiprocessor, and it waits for a peer's program of the same columns. That cannot
-deadlock while the GPU starts a grid's programs in index order (as it does): the lowest program index not yet
-started on any rank has every lower index started on every rank, and those finish without waiting for it. The
-next kernel's programs, launched early by PDL, only start once every program of this one has (its trigger).
+The counters order everything the reduce reads, so it does not wait for the producer's grid to finish (no PDL
+wait): the producer's programs signal after their last read and write, its own rank's counters included, and
+a reduce program passes only once every program that wrote its columns has signalled. What the reduce reads
+besides (x, the epoch) was written before the producer's own PDL wait.
 
-So a sum costs no kernel at all (`reduce_into`: one small kernel) instead of a copy and an all-reduce kernel.
-Measured (BENCHMARKS.md, issue 6, batch-1 decode, "fused" against "symm" in the same processes, with the
-chain-timed linear tuner; with `reduce_into`, before the sum moved into the producer):
-- 2x H100, Llama-3-8B shape: TP=2 3.71 vs 4.33 ms a step;
-- 4x H100: 8B at TP=4 2.81 vs 4.06 ms, 70B at TP=4 15.3 vs 19.0 ms.
-`tensor_parallel_graphs(..., allreduce="auto")` therefore takes it at 2 and 4 ranks (`FUSED_AUTO_RANKS`). Before
-the tuner fix it was even at TP=4 on H100s and 31% slower on H200s (not re-measured since). Summing the partials
-inside the next linear's RMSNorm prologue instead was slower on the H200s (3.81 and 4.27 ms): every program of
-that linear has to read every rank's partial before its first weight tile.
+Before (stop 17): one counter a site, bumped by the producer's last program (a ticket on its GPU), and a reduce
+of 4 programs of 1024 columns behind a PDL wait. Per-unit counters make a reduce program wait only for the
+peers' programs of its own columns, and spread the sum over 64 programs. Measured (BENCHMARKS.md, issue 6,
+Update 5; 4x H100, batch-1 decode, the Llama-3-8B shape): TP=2 3.72 -> 3.47 ms, TP=4 2.81 -> 2.36 ms, and
+70B at TP=4 15.3 -> 14.0 ms. Tried in the same runs and not kept:
+- summing in the producer itself (each program waits for its peers' twins and adds its own columns; no reduce
+  kernel at all): 2% slower at TP=2 and TP=4;
+- the reduce letting the next kernel launch before its wait: 2-3% slower; 1 warp a program, or 32-256 columns a
+  program: no change.
+Against "symm" (a copy, then PyTorch's one-shot all-reduce kernel, then the residual add; `tp_allreduce`): "fused"
+was 14% faster at TP=2 and 31% at TP=4 already before this change (Update 4). `tensor_parallel_graphs(...,
+allreduce="auto")` takes it at 2 and 4 ranks (`FUSED_AUTO_RANKS`). Summing the partials inside the next
+linear's RMSNorm prologue instead (no kernel) was slower on H200s (3.81 and 4.27 ms): every program of that
+linear has to read every rank's partial before its first weight tile.
 
 Site s of a step: 2i is layer i's output projection, 2i+1 its down projection. `epoch` counts forwards
 (`begin()`, a one-thread kernel at the start of each); counters only grow (int64), so nothing is reset
-between steps or CUDA graph replays. Every forward must therefore push and sum every site once (`reset()`
+between steps or CUDA graph replays. Every forward must therefore push and reduce every site once (`reset()`
 after anything else, like `self_test`). Two partial buffers (even and odd sites) are enough: rank A writes
-site s+2's partials only after its sum of s+1 saw every rank's s+1 partials, which each rank pushed only
-after its sum of s had finished (every kernel waits for its predecessor before it writes).
+site s+2's partials only after its reduce of s+1 saw every rank's s+1 partials, which each rank pushed only
+after its reduce of s had finished (the producer's PDL wait follows a chain of PDL waits back to that reduce).
 
-A rank that dies mid-step must not leave its peers' GPUs spinning: a wait gives up after
+A rank that dies mid-step must not leave its peers' GPUs spinning: `reduce_into` gives up after
 `SPECSERVE_TP_SPIN_TIMEOUT_S` (default 120 s) and traps, which fails that process's CUDA context and with it the
 replica (seen on 4 H200s: a wrong count made all four ranks exit, none hung).
 
@@ -54,7 +53,7 @@ layout and the protocol are tested on CPU under Triton's interpreter with the ra
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -65,14 +64,7 @@ _ALIGN = 256
 # context: a rank that died mid-step must not leave its peers' GPUs spinning for ever. Generous: a peer's first
 # call of a shape may compile and tune kernels in between.
 SPIN_TIMEOUT_S = float(os.environ.get("SPECSERVE_TP_SPIN_TIMEOUT_S", "120"))
-# Where a sum over ranks runs: in the producing linear's programs (default), or in a kernel after it (A/B runs).
-SUM_IN_PRODUCER = os.environ.get("SPECSERVE_TP_SUM", "producer") != "kernel"
-# `reduce_into`'s columns a program (a power of two, at least 16)
-REDUCE_COLS = int(os.environ.get("SPECSERVE_TP_REDUCE_COLS", "64"))
-_REDUCE = os.environ.get("SPECSERVE_TP_REDUCE", "")  # A/B switches: "nowait", "early", "w1", comma-separated
-REDUCE_GRID_WAIT = "nowait" not in _REDUCE
-REDUCE_EARLY_TRIGGER = "early" in _REDUCE
-REDUCE_WARPS = 1 if "w1" in _REDUCE else 4
+REDUCE_COLS = 64  # `reduce_into`'s columns a program (32-256 measured alike on 4x H100; a multiple of UNIT)
 
 
 class SiteBuffers:
@@ -119,12 +111,9 @@ class SiteBuffers:
         if dist.is_initialized():
             dist.barrier(group=group)  # no rank pushes into a block that is not yet zeroed
 
-    def push(self, site: int, sum_into: Optional[torch.Tensor] = None) -> Push:
-        """The producer's side of `site`; with `sum_into` (the residual stream) it adds every rank's partials
-        there itself, else `reduce_into` must follow."""
+    def push(self, site: int) -> Push:
         assert 0 <= site < self.n_sites, site
-        return Push(self._peer_parts[site % 2], self._peer_units[site], self.rank, self.rows,
-                    self.parts[site % 2], self.counters[site], self.epoch, _spin_ns(), sum_into)
+        return Push(self._peer_parts[site % 2], self._peer_units[site], self.rank, self.rows, self.hidden)
 
     def reduce_into(self, x: torch.Tensor, site: int, use_pdl: bool = False) -> None:
         """x [M, C] += every rank's partial of `site`, in place, once they are all in (one small kernel)."""
@@ -134,13 +123,11 @@ class SiteBuffers:
         M, C = x.shape
         assert C == self.hidden and M <= self.rows and x.stride(1) == 1, (tuple(x.shape), self.hidden, self.rows)
         parts = self.parts[site % 2]
-        block = REDUCE_COLS
-        kern.reduce_partials_kernel[(-(-C // block),)](
+        kern.reduce_partials_kernel[(-(-C // REDUCE_COLS),)](
             x, parts, self.counters[site], self.epoch,
             M, C, x.stride(0), parts.stride(0), parts.stride(1), _spin_ns(),
-            N_RANKS=self.n_ranks, M_PAD=_next_pow2(M), BLOCK_C=block, USE_PDL=use_pdl,
-            SPIN_LIMIT=_spin_ns() > 0, GRID_WAIT=REDUCE_GRID_WAIT, EARLY_TRIGGER=REDUCE_EARLY_TRIGGER,
-            num_warps=REDUCE_WARPS, **launch_kwargs(use_pdl))
+            N_RANKS=self.n_ranks, M_PAD=_next_pow2(M), BLOCK_C=REDUCE_COLS, USE_PDL=use_pdl,
+            SPIN_LIMIT=_spin_ns() > 0, num_warps=4, **launch_kwargs(use_pdl))
 
 
 def _spin_ns() -> int:
@@ -179,8 +166,8 @@ def symmetric_sites(group: Any, device: torch.device, rows: int, hidden: int, n_
 
 def self_test(sites: SiteBuffers, group: Any, dtype: torch.dtype, reps: int = 2) -> None:
     """Push small-integer partials (different on every rank, so every sum is exact) through both partial buffers
-    and sum them into a residual stream as the forwards will (`SUM_IN_PRODUCER`), `reps` times: a setup whose
-    peer writes or counters do not arrive exactly is refused here, on every rank at once, not met mid-request."""
+    and reduce them into a residual stream, `reps` times: a setup whose peer writes or counters do not arrive
+    exactly is refused here, on every rank at once, not met mid-request."""
     import torch.distributed as dist
 
     from pipeline.models import fused_linear as fl
@@ -197,9 +184,8 @@ def self_test(sites: SiteBuffers, group: Any, dtype: torch.dtype, reps: int = 2)
         for site in (0, 1):
             w = [((n + k + r + rep + site) % 3 - 1).to(dtype) for r in range(R)]  # [C, K] of -1, 0, 1
             want = (res.float() + sum(x.float() @ wr.float().T for wr in w)).to(dtype)
-            fl.fused_linear(x, w[sites.rank], push=sites.push(site, sum_into=res if SUM_IN_PRODUCER else None))
-            if not SUM_IN_PRODUCER:
-                sites.reduce_into(res, site)
+            fl.fused_linear(x, w[sites.rank], push=sites.push(site))
+            sites.reduce_into(res, site)
             ok = ok and torch.equal(res, want)
     flag = torch.tensor([0 if ok else 1], device=dev)
     dist.all_reduce(flag, group=group)  # after every rank's reduces, hence after every push into this rank
