@@ -50,8 +50,9 @@ log = logging.getLogger(__name__)
 # Group sizes at which allreduce="auto" takes the fused layer's own all-reduce (pipeline.models.tp_fused) on the
 # graph path. Batch-1 decode, fused against the one-shot symmetric-memory kernel (BENCHMARKS.md, issue 6):
 # 8B at TP=2, 3.71 vs 4.33 ms on 2 H100s; 8B at TP=4, 2.81 vs 4.06 ms, and 70B at TP=4, 15.3 vs 19.0 ms, on 4 H100s
-# (with the chain-timed tuner; before it, TP=4 was even on H100s and fused 31% slower on H200s, not re-measured
-# since). Other sizes (8 GPUs were never lent) keep "symm".
+# (Update 4; fused has since gained 7-16%: 3.46, 2.35 and 14.1 ms, Update 5). Before the chain-timed tuner, TP=4
+# was even on H100s and fused 31% slower on H200s (not re-measured since). Other sizes (8 GPUs were never lent)
+# keep "symm".
 FUSED_AUTO_RANKS = (2, 4)
 
 # ----------------------------------------------------------------------------------------------------
