@@ -110,6 +110,9 @@ class Coordinator:
             self.local_drafter = PromptLookupDrafter() if method == "prompt_lookup" else hybrid_lookup()
         self.owner = f"{ctx.replica_id.unique_id}:{uuid.uuid4().hex[:8]}"
         self.active = 0
+        # Abandon tasks (mark a request cancelled, free its slots) run after their stream is gone: the loop keeps
+        # only weak references to tasks, so one nobody holds can be collected before it finishes.
+        self._abandoning: set[asyncio.Task] = set()
         self.k_policy = None  # one per coordinator, over its requests; bucketed by how many it is serving
         if self.cfg.coordinator.adaptive_k and method != "none":
             from pipeline.adaptive import AdaptiveK
@@ -211,7 +214,9 @@ class Coordinator:
             if not finished_ok:
                 # Cancelled (client gone), failed, or the generator was closed: stop the work, keep the state
                 # resumable, free the replicas' slots. In a task: the current one may be cancelled.
-                asyncio.get_running_loop().create_task(self._abandon(run, state))
+                task = asyncio.get_running_loop().create_task(self._abandon(run, state))
+                self._abandoning.add(task)
+                task.add_done_callback(self._abandoning.discard)
             else:
                 self._release(run, state.request_id)
 
