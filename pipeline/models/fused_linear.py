@@ -154,7 +154,7 @@ def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return w8.contiguous(), scale.contiguous()
 
 
-UNIT = 16  # tensor parallel: columns per signal (the smallest BLOCK_N), see `Push`
+UNIT = 16  # tensor parallel: columns per signal (the smallest BLOCK_N), see `Push`; = fused_linear_triton.UNIT
 
 
 @dataclass(frozen=True)

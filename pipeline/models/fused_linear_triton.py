@@ -46,6 +46,9 @@ import triton
 import triton.language as tl
 
 
+UNIT = tl.constexpr(16)  # tensor parallel: columns per counter (`fused_linear.UNIT`, which launchers use)
+
+
 @triton.jit
 def _prefetch_rows_l2(ptrs, nbytes):
     """Ask L2 to fetch nbytes (a multiple of 16) from each 16-byte-aligned address in ptrs (sm_90+)."""
@@ -115,7 +118,7 @@ def fused_linear_kernel(
     DOT_IN_F32: tl.constexpr,  # interpreter + bf16 only: Triton 3.6's interpreter multiplies bf16 as raw bits
     PUSH: tl.constexpr,  # tensor parallel: the float32 result goes to every rank's partials of a site, not to Y
     N_RANKS: tl.constexpr,
-    UNITS: tl.constexpr,  # with PUSH: BLOCK_N // 16, the counters a program signals
+    UNITS: tl.constexpr,  # with PUSH: BLOCK_N // UNIT, the counters a program signals
     RANKS_POW2: tl.constexpr,  # with PUSH: N_RANKS rounded up to a power of two
 ):
     DT = X.dtype.element_ty  # the model's activation dtype: products and roundings in it
@@ -218,7 +221,7 @@ def fused_linear_kernel(
         tl.debug_barrier()  # every thread's stores are issued before the releases below
         # One signal per rank and 16 columns, all at once (one thread each): counters at distinct addresses,
         # so the remote atomics do not queue on one address (many on one measured ~7 us a site at 4 ranks).
-        n_units = tl.cdiv(N, 16)
+        n_units = tl.cdiv(N, UNIT)
         _signal_units(PEER_UNITS, pid * UNITS, n_units, UNITS, N_RANKS, RANKS_POW2)
     else:
         tl.store(Y + offs_m[:, None] * s_ym + offs_n[None, :], out.to(Y.dtype.element_ty), mask=mask)
@@ -299,8 +302,8 @@ def reduce_partials_kernel(
     offs_m = tl.arange(0, M_PAD)
     mask = (offs_m < M)[:, None] & (offs_n < C)[None, :]
     # No PDL wait for the producer's grid (`tp_fused`: its counters order everything this kernel reads).
-    _wait_units(UNIT_CNT, pid * (BLOCK_C // 16), tl.cdiv(C, 16), tl.load(EPOCH) * N_RANKS, spin_ns, BLOCK_C // 16,
-                SPIN_LIMIT)
+    _wait_units(UNIT_CNT, pid * (BLOCK_C // UNIT), tl.cdiv(C, UNIT), tl.load(EPOCH) * N_RANKS, spin_ns,
+                BLOCK_C // UNIT, SPIN_LIMIT)
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     _sum_parts(X, s_xm, PARTS, s_pr, s_pm, offs_m, offs_n, mask, N_RANKS)
