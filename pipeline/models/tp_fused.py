@@ -25,7 +25,7 @@ peers' programs of its own columns, and spread the sum over 64 programs. Measure
 Update 5; 4x H100, batch-1 decode, the Llama-3-8B shape): TP=2 3.72 -> 3.47 ms, TP=4 2.81 -> 2.36 ms, and
 70B at TP=4 15.3 -> 14.0 ms. Tried in the same runs and not kept:
 - summing in the producer itself (each program waits for its peers' twins and adds its own columns; no reduce
-  kernel at all): 2% slower at TP=2 and TP=4;
+  kernel at all): 2-3% slower at TP=2 and TP=4;
 - the reduce letting the next kernel launch before its wait: 2-3% slower; 1 warp a program, or 32-256 columns a
   program: no change.
 Against "symm" (a copy, then PyTorch's one-shot all-reduce kernel, then the residual add; `tp_allreduce`): "fused"
