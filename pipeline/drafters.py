@@ -49,6 +49,10 @@ class Drafter(Protocol):
     def release(self, request_id: str) -> None:
         """Forget a finished request (free its cache slot)."""
 
+    # Optional, looked up by the engine with getattr (not every drafter has one): `prepare(rows)`, called before
+    # `propose` with the same rows, catches up state that fell behind during steps without drafts. The engine
+    # times it apart, so the K policy does not price that one-time cost into K (PromptLookupDrafter, HybridDrafter).
+
 
 class PromptLookupDrafter:
     """Propose the tokens that followed the most recent earlier occurrence of the context's last n-gram.
