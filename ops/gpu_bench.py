@@ -111,8 +111,14 @@ VARIANTS = {
     "fused-nopdl": {"attention": "triton", "fused_rope": True, "fused_layer": True, "pdl": False},
     "fused-early": {"attention": "triton", "fused_rope": True, "fused_layer": True, "_late_trigger": False},
     "fused-pf8": {"attention": "triton", "fused_rope": True, "fused_layer": True, "_prefetch_mb": 8},
+    "fused-nopreload": {"attention": "triton", "fused_rope": True, "fused_layer": True, "_preload": "off"},
+    "fused-preload": {"attention": "triton", "fused_rope": True, "fused_layer": True, "_preload": "on"},
     # float8 weights with row scales: for drafters (their precision moves acceptance, never the output)
     "fused-fp8": {"attention": "triton", "fused_rope": True, "fused_layer": True, "weights": "fp8"},
+    "fused-fp8-nopreload": {"attention": "triton", "fused_rope": True, "fused_layer": True, "weights": "fp8",
+                            "_preload": "off"},
+    "fused-fp8-preload": {"attention": "triton", "fused_rope": True, "fused_layer": True, "weights": "fp8",
+                          "_preload": "on"},
 }
 
 
@@ -124,6 +130,7 @@ def variant_config(name: str) -> GraphConfig:
     v = dict(VARIANTS.get(name, {"attention": name}))
     fl.PREFETCH_BYTES = int(float(v.pop("_prefetch_mb", _DEFAULT_PREFETCH_MB)) * (1 << 20))
     fl.LATE_TRIGGER = v.pop("_late_trigger", _DEFAULT_LATE_TRIGGER)
+    fl.PRELOAD = v.pop("_preload", _DEFAULT_PRELOAD)
     return GraphConfig(**v)
 
 
@@ -134,6 +141,7 @@ def _is_fp8(variant: str | None) -> bool:
 
 _DEFAULT_PREFETCH_MB = os.environ.get("SPECSERVE_PDL_PREFETCH_MB", "0")
 _DEFAULT_LATE_TRIGGER = os.environ.get("SPECSERVE_PDL_TRIGGER", "late") == "late"
+_DEFAULT_PRELOAD = os.environ.get("SPECSERVE_PDL_PRELOAD", "auto")
 
 
 def variant_label(name: str, graph: GraphCausalLM) -> str:

@@ -42,6 +42,7 @@ FUSED_CASES = [
     ("fused-fp8-gate-norm-M2", "fp8-gate", 2, 40, 128, True),
     ("fused-fp8-heads-residual-T3", "fp8-heads", 6, 24, 96, False),
 ]
+PRELOAD_CASES = ["fused-preload-bit-identical"]
 FUSED_GRAPH_CASES = ["graph-fused-layer-bf16", "graph-fused-layer-bias-window-bf16", "graph-fused-layer-fp8"]
 # (id, ranks, rows): the tensor-parallel fused all-reduce (pipeline.models.tp_fused), ranks simulated in one process
 TP_FUSED_CASES = [("tp-fused-2-ranks", 2, 1), ("tp-fused-3-ranks-5-rows", 3, 5)]
@@ -91,6 +92,36 @@ def rope_case(torch, rw, B, T, H, Hkv, D, dtype_name) -> dict:
 
 def fused_case(torch, fl, mode, M, N, K, bias) -> dict:
     """One mode of `fused_linear` in bf16 against the eager layer's own bf16 math (tests/test_graph_kernels.py)."""
+    got, want = _fused_run(torch, fl, mode, M, N, K, bias)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
+    # Against a float32 reference the gate's four bf16 roundings (gate, up, SiLU, product) and the interpreter's
+    # coarse dots add up to ~2.5%; a missing row scale would be off by orders of magnitude.
+    tol = 3e-2 if mode == "fp8-gate" else TOL["bfloat16"]
+    return {"err": err, "tol": tol, "ok": bool(torch.isfinite(got).all())}
+
+
+def preload_case(torch, fl) -> dict:
+    """`fused_linear`'s first weight tile loaded before the (PDL) wait, peeled from the K loop (`PRELOAD`): the same
+    bits as the plain loop in every mode, even and ragged K, one tile or many."""
+    worst, runs = 0.0, 0
+    for mode, M, N, K, bias in (("norm", 5, 33, 100, True), ("norm", 1, 40, 96, False), ("norm-eager", 5, 40, 96, False),
+                                ("gate", 3, 24, 128, True), ("heads", 6, 40, 96, True), ("logits", 3, 20, 16, False),
+                                ("fp8-gate", 2, 40, 128, True), ("fp8-heads", 6, 24, 96, False)):
+        outs = []
+        for preload in ("off", "on"):
+            fl.PRELOAD, was = preload, fl.PRELOAD
+            try:
+                outs.append(_fused_run(torch, fl, mode, M, N, K, bias)[0].float())
+            finally:
+                fl.PRELOAD = was
+        worst = max(worst, float((outs[0] - outs[1]).abs().max()))
+        runs += 1
+    return {"err": worst, "tol": 0.0, "ok": runs == 8}
+
+
+def _fused_run(torch, fl, mode, M, N, K, bias):
+    """(fused_linear's output, the eager math's) for one mode, on inputs seeded by the shape."""
     import torch.nn.functional as F
 
     from pipeline.models.graphs import rms_norm
@@ -147,12 +178,7 @@ def fused_case(torch, fl, mode, M, N, K, bias) -> dict:
         got = torch.full((M, N), float("nan"))
         fl.fused_linear(x, w, b, norm_w=nw, eps=1e-5, out=got)
         want = F.linear(rms_norm(x, nw, 1e-5), w, b).float()
-    assert got.shape == want.shape, (got.shape, want.shape)
-    err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
-    # Against a float32 reference the gate's four bf16 roundings (gate, up, SiLU, product) and the interpreter's
-    # coarse dots add up to ~2.5%; a missing row scale would be off by orders of magnitude.
-    tol = 3e-2 if mode == "fp8-gate" else TOL["bfloat16"]
-    return {"err": err, "tol": tol, "ok": bool(torch.isfinite(got).all())}
+    return got, want
 
 
 def tp_fused_case(torch, fl, R: int, M: int) -> dict:
@@ -303,6 +329,7 @@ def main() -> int:
     runs += [(c[0], lambda c=c: rope_case(torch, rw, *c[1:])) for c in ROPE_CASES]
     runs += [(c, lambda: graph_case(torch)) for c in GRAPH_CASES]
     runs += [(c[0], lambda c=c: fused_case(torch, fl, *c[1:])) for c in FUSED_CASES]
+    runs += [(c, lambda: preload_case(torch, fl)) for c in PRELOAD_CASES]
     runs += [(c, lambda c=c: fused_graph_case(torch, c)) for c in FUSED_GRAPH_CASES]
     runs += [(c[0], lambda c=c: tp_fused_case(torch, fl, *c[1:])) for c in TP_FUSED_CASES]
     for case_id, fn in runs:

@@ -71,6 +71,13 @@ PREFETCH_BYTES = int(float(os.environ.get("SPECSERVE_PDL_PREFETCH_MB", "0")) * (
 # has waited ("early"; measured 5-10% slower on an H100: the next kernel's waiting programs take its SMs; a
 # trigger after 25-90% of the K loop measured 6-15% slower, BENCHMARKS.md issue 5 Update 7).
 LATE_TRIGGER = os.environ.get("SPECSERVE_PDL_TRIGGER", "late") == "late"
+# Load each program's first K tile of the weight before the PDL wait (weights are never written by a kernel), so
+# its HBM latency overlaps the previous kernel's tail instead of following the wait: "auto" for float8 weights only,
+# "on", "off". H100, batch-1 steps (BENCHMARKS.md issue 5, Update 9): float8 1B 1-2% faster at T=1 (the 8B-sized
+# 0.7% slower) and 3-6% faster at T=5; bf16 1-2% slower at T=1 and mixed at T=5.
+PRELOAD = os.environ.get("SPECSERVE_PDL_PRELOAD", "auto")
+if PRELOAD not in ("auto", "on", "off"):
+    raise ValueError(f"SPECSERVE_PDL_PRELOAD must be auto, on or off, got {PRELOAD!r}")
 # The RMSNorm prologue: "late" multiplies the sums by each row's 1/rms after the K loop (the loop only multiplies x
 # by the norm weight); "eager" rounds x * 1/rms and then the product with the weight, as `graphs.rms_norm` does.
 NORM_LATE = os.environ.get("SPECSERVE_NORM", "late") == "late"
@@ -191,11 +198,13 @@ def _launch(x: torch.Tensor, M: int, K: int, row: tuple[int, int, int], col: tup
         out = torch.empty(M, N, dtype=x.dtype, device=x.device) if push is None else x.new_empty(0)
     assert push is not None or (out.shape == (M, N) and out.stride(1) == 1), (tuple(out.shape), (M, N))
     c = config or config_for(x, M, N, K, w, bias, norm_w, gate, residual, w_scale, use_pdl)
+    preload = PRELOAD == "on" or (PRELOAD == "auto" and w.dtype == FP8)
     rows = N * (2 if gate else 1)
     chunks, pf, pf_step = _prefetch_plan(w, rows, K, c.block_n, c.num_warps) if use_pdl else (1, 0, 0)
     XT, s_xb, s_xt = row
     XD, s_xj = col
     dummy = x
+    n_ranks = push.peer_parts.shape[0] if push is not None else 1
     kern.fused_linear_kernel[(-(-N // c.block_n),)](
         x, norm_w if norm_w is not None else dummy, w, w_scale if w_scale is not None else dummy,
         bias if bias is not None else dummy,
@@ -209,10 +218,9 @@ def _launch(x: torch.Tensor, M: int, K: int, row: tuple[int, int, int], col: tup
         RESIDUAL=residual is not None, HAS_BIAS=bias is not None, HAS_SCALE=w_scale is not None,
         EVEN_K=K % c.block_k == 0,
         NORM_LATE=NORM_LATE, R_PAD=_pow2(M), NORM_CHUNK=max(16, min(_pow2(K), 8192 // _pow2(M))),
-        USE_PDL=use_pdl, PREFETCH=pf > 0, PF_CHUNKS=chunks, LATE_TRIGGER=LATE_TRIGGER,
+        USE_PDL=use_pdl, PREFETCH=pf > 0, PF_CHUNKS=chunks, LATE_TRIGGER=LATE_TRIGGER, PRELOAD=preload,
         DOT_IN_F32=kern.interpreted() and x.dtype == torch.bfloat16,
-        PUSH=push is not None, N_RANKS=push.peer_parts.shape[0] if push is not None else 1,
-        UNITS=c.block_n // UNIT, RANKS_POW2=_pow2(push.peer_parts.shape[0]) if push is not None else 1,
+        PUSH=push is not None, N_RANKS=n_ranks, UNITS=c.block_n // UNIT, RANKS_POW2=_pow2(n_ranks),
         num_warps=c.num_warps, num_stages=c.num_stages, **launch_kwargs(use_pdl),
     )
     return out
@@ -271,7 +279,7 @@ def config_for(x: torch.Tensor, M: int, N: int, K: int, w: torch.Tensor, bias, n
     """The configuration of this shape: timed once on CUDA (outside a graph capture) the way the graph path runs
     it (`kernel_timing.chain_ms`), else the default."""
     key = (m_pad(M), N, K, w.dtype, gate, norm_w is not None, residual is not None, bias is not None, x.device,
-           norm_w is not None and NORM_LATE)
+           norm_w is not None and NORM_LATE, PRELOAD)  # PRELOAD: the setting (its effect depends on w's dtype)
     got = _choices.get(key)
     if got is not None:
         return got

@@ -33,8 +33,9 @@ per BLOCK_N output columns over the whole depth K (no split, so the epilogue see
 USE_PDL: programmatic dependent launch (`pipeline.models.pdl`): wait for the previous kernel before touching x,
 res or y; let the next kernel launch after the K loop (LATE_TRIGGER) or right after the wait. With PREFETCH,
 before waiting, a program asks L2 to prefetch PF_CHUNKS x PF_BYTES of each of its weight rows
-(`cp.async.bulk.prefetch.L2`; weights are never written by any kernel). The defaults (late trigger, no
-prefetch) are what measured fastest (BENCHMARKS.md, issue 5, Update 5).
+(`cp.async.bulk.prefetch.L2`; weights are never written by any kernel). With PRELOAD the first K tile of the
+weight (peeled from the loop) is loaded into registers before the wait. The defaults (late trigger, no prefetch,
+the preload for float8 weights only) are what measured fastest (BENCHMARKS.md, issue 5, Updates 5 and 9).
 
 With TRITON_INTERPRET=1 set before triton's first import the kernel runs in Triton's CPU interpreter (tests;
 no PDL there).
@@ -91,6 +92,60 @@ def _mul_rounded(a, b, IN_F32: tl.constexpr):
 
 
 @triton.jit
+def _load_x(x_rows, m_ok, offs_k, s_xj, K, XD: tl.constexpr, EVEN_K: tl.constexpr):
+    """x's [M_PAD, BLOCK_K] tile at columns offs_k (0 past M and K)."""
+    cols = (offs_k // XD) * s_xj + offs_k % XD
+    if EVEN_K:
+        x = tl.load(x_rows[:, None] + cols[None, :], mask=m_ok[:, None], other=0.0)
+    else:
+        x = tl.load(x_rows[:, None] + cols[None, :], mask=m_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+    return x
+
+
+@triton.jit
+def _w_tile(rows, offs_k, n_ok, K, EVEN_K: tl.constexpr):
+    """The weight's [BLOCK_K, BLOCK_N] tile at depths offs_k of the rows `rows` [1, BLOCK_N] (0 past N and K)."""
+    if EVEN_K:
+        w = tl.load(rows + offs_k[:, None], mask=n_ok[None, :], other=0.0)
+    else:
+        w = tl.load(rows + offs_k[:, None], mask=n_ok[None, :] & (offs_k < K)[:, None], other=0.0)
+    return w
+
+
+@triton.jit
+def _prep_x(x, NORM_W, offs_k, K, rstd, DT: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr,
+            NORM_LATE: tl.constexpr, DOT_IN_F32: tl.constexpr):
+    """x's tile as the product takes it: times the norm weight (NORM_LATE: 1/rms scales the sums later; else the
+    eager roundings, (x * 1/rms) rounded, times the weight, rounded), in DT (float32 with DOT_IN_F32)."""
+    if NORM:
+        if EVEN_K:
+            nw = tl.load(NORM_W + offs_k).to(DT)
+        else:
+            nw = tl.load(NORM_W + offs_k, mask=offs_k < K, other=0.0).to(DT)
+        if NORM_LATE:  # one product per element; x is already in DT (X.dtype)
+            x = _mul_rounded(x, nw[None, :], DOT_IN_F32)
+        else:
+            x = _mul_rounded((x.to(tl.float32) * rstd[:, None]).to(DT), nw[None, :], DOT_IN_F32)
+    else:
+        x = x.to(DT)
+    if DOT_IN_F32:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _dot_acc(acc, x, w, DT: tl.constexpr, HAS_SCALE: tl.constexpr, DOT_IN_F32: tl.constexpr):
+    """acc + x @ w in float32 (float8 w widened to DT first: exact; its row scales multiply the sums later)."""
+    if HAS_SCALE:
+        w = w.to(DT)
+    if DOT_IN_F32:
+        acc += tl.dot(x, w.to(tl.float32), input_precision="ieee")
+    else:
+        acc += tl.dot(x, w)
+    return acc
+
+
+@triton.jit
 def fused_linear_kernel(
     X, NORM_W, W, W_SCALE, BIAS, RES, Y,
     PEER_PARTS, PEER_UNITS,
@@ -115,6 +170,7 @@ def fused_linear_kernel(
     PREFETCH: tl.constexpr,  # with USE_PDL: prefetch PF_CHUNKS x PF_BYTES of each weight row into L2 first
     PF_CHUNKS: tl.constexpr,  # BLOCK_N * PF_CHUNKS = the program's threads: one prefetch each, none repeated
     LATE_TRIGGER: tl.constexpr,  # with USE_PDL: let the next kernel launch after the K loop, not at the start
+    PRELOAD: tl.constexpr,  # load the first K tile of the weights before the PDL wait (peeled from the loop)
     DOT_IN_F32: tl.constexpr,  # interpreter + bf16 only: Triton 3.6's interpreter multiplies bf16 as raw bits
     PUSH: tl.constexpr,  # tensor parallel: the float32 result goes to every rank's partials of a site, not to Y
     N_RANKS: tl.constexpr,
@@ -131,6 +187,11 @@ def fused_linear_kernel(
     rows_n = offs_n.to(tl.int64)  # int64: N * K can pass 2**31 elements (a 128k x 16k output layer)
     w_rows = W + rows_n[None, :] * s_wn  # [1, BLOCK_N]
     u_rows = W + (rows_n + N_UP)[None, :] * s_wn
+    if PRELOAD:  # weights are never written by any kernel: their first tile may load before the PDL wait
+        w0 = _w_tile(w_rows, offs_k0, n_ok, K, EVEN_K)
+        u0 = w0
+        if GATE:
+            u0 = _w_tile(u_rows, offs_k0, n_ok, K, EVEN_K)
     if USE_PDL:
         if PREFETCH:
             r = tl.arange(0, BLOCK_N * PF_CHUNKS)
@@ -145,49 +206,26 @@ def fused_linear_kernel(
             tl.extra.cuda.gdc_launch_dependents()
 
     x_rows = X + (offs_m // XT) * s_xb + (offs_m % XT) * s_xt  # [M_PAD]
+    rstd = tl.full([M_PAD], 1.0, tl.float32)
     if NORM and not NORM_LATE:
         rstd = _rstd_rows(X, M, K, XT, s_xb, s_xt, s_xj, eps, XD, M_PAD, R_PAD, NORM_CHUNK)
     acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + offs_k0
-        cols = (offs_k // XD) * s_xj + offs_k % XD
-        if EVEN_K:
-            x = tl.load(x_rows[:, None] + cols[None, :], mask=m_ok[:, None], other=0.0)
-            w = tl.load(w_rows + offs_k[:, None], mask=n_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
-        else:
-            k_ok = offs_k < K
-            x = tl.load(x_rows[:, None] + cols[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_rows + offs_k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        if NORM:
-            if EVEN_K:
-                nw = tl.load(NORM_W + offs_k).to(DT)
-            else:
-                nw = tl.load(NORM_W + offs_k, mask=offs_k < K, other=0.0).to(DT)
-            if NORM_LATE:  # 1/rms scales the sums in the epilogue; here one product per element
-                x = _mul_rounded(x, nw[None, :], DOT_IN_F32)  # x is already in DT (X.dtype)
-            else:  # the eager roundings: (x * 1/rms) rounded, times the weight, rounded
-                x = _mul_rounded((x.to(tl.float32) * rstd[:, None]).to(DT), nw[None, :], DOT_IN_F32)
-        else:
-            x = x.to(DT)
-        if HAS_SCALE:
-            w = w.to(DT)  # float8 -> bf16/fp16 is exact; the row scales multiply the sums below
-        if DOT_IN_F32:
-            x = x.to(tl.float32)
-            acc += tl.dot(x, w.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(x, w)
+    if PRELOAD:  # the first K tile's weights came in before the wait; x's tile only now
+        x = _load_x(x_rows, m_ok, offs_k0, s_xj, K, XD, EVEN_K)
+        x = _prep_x(x, NORM_W, offs_k0, K, rstd, DT, EVEN_K, NORM, NORM_LATE, DOT_IN_F32)
+        acc = _dot_acc(acc, x, w0, DT, HAS_SCALE, DOT_IN_F32)
         if GATE:
-            if EVEN_K:
-                u = tl.load(u_rows + offs_k[:, None], mask=n_ok[None, :], other=0.0)
-            else:
-                u = tl.load(u_rows + offs_k[:, None], mask=n_ok[None, :] & (offs_k < K)[:, None], other=0.0)
-            if HAS_SCALE:
-                u = u.to(DT)
-            if DOT_IN_F32:
-                acc_u += tl.dot(x, u.to(tl.float32), input_precision="ieee")
-            else:
-                acc_u += tl.dot(x, u)
+            acc_u = _dot_acc(acc_u, x, u0, DT, HAS_SCALE, DOT_IN_F32)
+    for k0 in range(BLOCK_K * PRELOAD, K, BLOCK_K):
+        offs_k = k0 + offs_k0
+        x = _load_x(x_rows, m_ok, offs_k, s_xj, K, XD, EVEN_K)
+        w = _w_tile(w_rows, offs_k, n_ok, K, EVEN_K)  # [BLOCK_K, BLOCK_N]
+        x = _prep_x(x, NORM_W, offs_k, K, rstd, DT, EVEN_K, NORM, NORM_LATE, DOT_IN_F32)
+        acc = _dot_acc(acc, x, w, DT, HAS_SCALE, DOT_IN_F32)
+        if GATE:
+            u = _w_tile(u_rows, offs_k, n_ok, K, EVEN_K)
+            acc_u = _dot_acc(acc_u, x, u, DT, HAS_SCALE, DOT_IN_F32)
 
     if USE_PDL:
         if LATE_TRIGGER:
