@@ -176,7 +176,10 @@ def bench_rank(rank: int, world: int, init_method: str, shape: str, args: argpar
     else:
         if own_group:
             tp = init_tensor_parallel(rank, world, init_method, device, collective_timeout_s=600, control_timeout_s=600)
-        model = build_sharded_transformer(a, make_plan(a, rank, world), tp.group, source, device, torch.bfloat16)
+        replicate = args.embedding == "replicated" or (args.embedding == "auto" and cuda)
+        rec["embedding"] = "replicated" if replicate else "parallel"
+        model = build_sharded_transformer(a, make_plan(a, rank, world, replicate), tp.group, source, device,
+                                          torch.bfloat16)
         runner = sharded_runner(model, info_of(shape, a))
     if cuda:
         torch.cuda.synchronize()
@@ -439,6 +442,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allreduce", default="auto",
                    help="all-reduce kinds to time at TP > 1 (pipeline.models.tp_allreduce: auto, nccl, "
                         "symm; and fused, pipeline.models.tp_fused)")
+    p.add_argument("--embedding", default="auto", choices=["auto", "replicated", "parallel"],
+                   help="TP embedding table: replicated on every rank, or vocabulary-parallel with an all_reduce "
+                        "(auto: replicated on CUDA, as load_tensor_parallel_model does)")
     p.add_argument("--linear", default="auto", help="GraphConfig.linear: auto (tuned Triton/cuBLAS), torch, triton")
     p.add_argument("--no-fp32-ref", action="store_true", help="skip the float32 TP=1 logits (needs 4 bytes/param)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="per (shape, N) launch")

@@ -134,6 +134,13 @@ def compare_ranks(rank: int, world_size: int, init: str, models: dict[str, str],
                          "cache_bytes": runner.cache_bytes(), "info": runner.info}
     torch.save({n: (r["elements_read"], r["local_elements"], r["cache_bytes"]) for n, r in results.items()},
                out / f"read{rank}.pt")
+    for name in ("llama_mha_tied", "odd"):  # the GPU default: every rank holds the whole embedding table
+        if name in models:
+            runner = load_tensor_parallel_model(models[name], tp, replicate_embedding=True)
+            runner.allocate(SLOTS, MAX_LEN)
+            results[f"{name}+replicated_embedding"] = {
+                **script(runner, runner.info.vocab_size), "embedding_rows": runner.model.tok_embeddings.weight.shape[0],
+                "output_rows": runner.model.output.weight.shape[0]}
     first = next(iter(models))
 
     def driven(make: Callable[[], Any], key: str) -> None:

@@ -57,6 +57,10 @@ def test_plan_and_slices_for_an_uneven_model():
     assert shard_slice("layers.0.feed_forward.w2.bias", p0) == Slice()  # added once, by rank 0
     assert shard_slice("layers.0.feed_forward.w2.bias", p1) == Slice(zeros=True)
     assert shard_slice("layers.0.ffn_norm.weight", p1) == Slice()
+    assert shard_slice("tok_embeddings.weight", p1) == Slice(0, 64, 127, pad_to=64)
+    replicated = make_plan(args, 1, 2, replicate_embedding=True)
+    assert shard_slice("tok_embeddings.weight", replicated) == Slice()
+    assert shard_slice("output.weight", replicated) == shard_slice("output.weight", p1)
     out = shard_slice("output.weight", p1)
     assert out == Slice(0, 64, 127, pad_to=64)
     w = torch.arange(127 * 2.0).view(127, 2)
@@ -133,6 +137,17 @@ def test_tp2_logits_and_greedy_tokens_equal_tp1(run2, references, name):
     info, ref = got["info"], ref_runner.info
     assert (info.vocab_size, info.eos_token_ids, info.num_parameters, info.max_position_embeddings) == (
         ref.vocab_size, ref.eos_token_ids, ref.num_parameters, ref.max_position_embeddings)
+
+
+@pytest.mark.parametrize("name", ["llama_mha_tied", "odd"])
+def test_a_replicated_embedding_equals_tp1(run2, references, name):
+    """Every rank holds the whole embedding table (no all_reduce before the first layer; the GPU default); the
+    output layer stays vocabulary-parallel, tied or not."""
+    want, ref_runner = references[name]
+    got = run2["results"][f"{name}+replicated_embedding"]
+    _assert_same(got, want, f"{name}, replicated embedding")
+    vocab = ref_runner.info.vocab_size
+    assert got["embedding_rows"] == vocab and got["output_rows"] == -(-vocab // 2)
 
 
 @pytest.mark.parametrize("name", ["llama", "odd", "demo"])

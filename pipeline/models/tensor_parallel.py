@@ -5,9 +5,12 @@ The split (Megatron; gpt-fast's tp.py), rank r of N:
 - attention: wq, wk, wv column-parallel by heads (a rank holds whole GQA groups: its query heads and the KV
   heads they read), wo row-parallel, then all_reduce.
 - MLP: w1, w3 column-parallel, w2 row-parallel, then all_reduce.
-- embedding and output layer: vocabulary-parallel. The embedding looks up the rows it holds (zeros for other
-  ids), then all_reduce; the output layer computes its vocabulary slice of the logits, then all_gather. For an
-  8B model at N=4 a replicated output layer would add a quarter to every rank's weight reads per step.
+- output layer: vocabulary-parallel: each rank computes its vocabulary slice of the logits, then all_gather. For
+  an 8B model at N=4 a replicated output layer would add a quarter to every rank's weight reads per step.
+- embedding: replicated on GPUs (`replicate_embedding`, the default where the model is on CUDA): a lookup reads
+  one row per token, so holding the whole table costs memory (0.8 GB more a rank for an 8B model at N=4) but no
+  step time, and the step needs no collective before its first layer. Otherwise vocabulary-parallel: each rank
+  looks up the rows it holds (zeros for other ids), then all_reduce.
 - norms and RoPE: replicated. Row-parallel biases live on rank 0 only (added once by the all_reduce).
 The KV cache of a rank holds only its KV heads: the runner's `args` describe the local shard (n_heads,
 n_kv_heads, intermediate_size), so `allocate` and the static graph path size everything per rank.
@@ -98,6 +101,7 @@ class ShardPlan:
     vocab: tuple[int, int]  # [start, end) vocabulary rows held (end - start may be < vocab_shard on the last rank)
     vocab_shard: int  # rows per rank after zero padding (equal on every rank: all_gather needs equal sizes)
     head_dim: int
+    replicate_embedding: bool = False  # the whole embedding table on every rank (else its `vocab` rows)
 
     @property
     def n_heads(self) -> int:
@@ -112,7 +116,7 @@ class ShardPlan:
         return self.ffn[1] - self.ffn[0]
 
 
-def make_plan(args: LlamaArgs, rank: int, world_size: int) -> ShardPlan:
+def make_plan(args: LlamaArgs, rank: int, world_size: int, replicate_embedding: bool = False) -> ShardPlan:
     assert 0 <= rank < world_size, f"rank {rank} not in [0, {world_size})"
     q, kv = head_partition(args.n_heads, args.n_kv_heads, world_size)[rank]
     vs = -(-args.vocab_size // world_size)
@@ -120,7 +124,7 @@ def make_plan(args: LlamaArgs, rank: int, world_size: int) -> ShardPlan:
         rank=rank, world_size=world_size, q_heads=q, kv_heads=kv,
         ffn=even_split(args.intermediate_size, world_size)[rank],
         vocab=(min(rank * vs, args.vocab_size), min((rank + 1) * vs, args.vocab_size)), vocab_shard=vs,
-        head_dim=args.head_dim,
+        head_dim=args.head_dim, replicate_embedding=replicate_embedding,
     )
 
 
@@ -172,6 +176,8 @@ _PARAM = re.compile(r"^layers\.\d+\.(\w+\.\w+)\.(weight|bias)$")
 
 def shard_slice(name: str, plan: ShardPlan) -> Slice:
     """The slice of the full (local-name) parameter `name` that this rank holds."""
+    if name == "tok_embeddings.weight" and plan.replicate_embedding:
+        return Slice()
     if name in ("tok_embeddings.weight", "output.weight"):
         return Slice(0, *plan.vocab, pad_to=plan.vocab_shard)
     m = _PARAM.match(name)
@@ -257,7 +263,8 @@ def shard_modules_(model: Transformer, plan: ShardPlan, group: Any) -> None:
         ff.w2 = _linear(ff.w2, plan.ffn_size, a.dim)
         _all_reduce_output(ff.w2, group)
     with torch.device("meta"):
-        model.tok_embeddings = VocabParallelEmbedding(plan.vocab_shard, a.dim, plan.vocab[0], group)
+        if not plan.replicate_embedding:  # else the model's own nn.Embedding, holding every row
+            model.tok_embeddings = VocabParallelEmbedding(plan.vocab_shard, a.dim, plan.vocab[0], group)
         model.output = VocabParallelOutput(plan.vocab_shard, a.dim, a.vocab_size, group)
 
 
@@ -269,7 +276,8 @@ def build_sharded_transformer(
     args: LlamaArgs, plan: ShardPlan, group: Any, source: TensorSource,
     device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
 ) -> Transformer:
-    """This rank's shard of the model, every parameter read from `source` one at a time."""
+    """This rank's shard of the model, every parameter read from `source` one at a time. Tied embeddings: the
+    output layer is the embedding's own rows (a view; with a replicated embedding, its vocabulary slice)."""
     with torch.device("meta"):
         model = Transformer(args)
     full_shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -283,10 +291,12 @@ def build_sharded_transformer(
         want = sl.shape(full_shape)
         assert tuple(t.shape) == want, f"{name}: shard shape {tuple(t.shape)} != expected {want}"
         state[name] = t.to(device=device, dtype=dtype)
+    tied_view = args.tie_embeddings and not plan.replicate_embedding
     if args.tie_embeddings:
-        state["output.weight"] = state["tok_embeddings.weight"]
+        embedding = state["tok_embeddings.weight"]
+        state["output.weight"] = embedding if tied_view else shard_slice("output.weight", plan).take(embedding)
     model.load_state_dict(state, strict=True, assign=True)
-    if args.tie_embeddings:
+    if tied_view:
         model.output.weight = model.tok_embeddings.weight
     model.shard_plan = plan
     return model.eval().requires_grad_(False)
@@ -371,9 +381,11 @@ def init_tensor_parallel(
 
 def load_tensor_parallel_model(
     path: str | Path | None, tp: TPContext, dtype: str | torch.dtype = "float32", stats: Optional[dict] = None,
+    replicate_embedding: Optional[bool] = None,
 ) -> LlamaCausalLM:
-    """This rank's `LlamaCausalLM` over its shard, reading only its slices from the folder's safetensors.
-    Its `args` are the local shard's; `info` describes the whole model. Call `allocate()` before use."""
+    """This rank's `LlamaCausalLM` over its shard, reading only its slices from the folder's safetensors (and the
+    whole embedding table where it is replicated: by default on CUDA, see the module doc). Its `args` are the
+    local shard's; `info` describes the whole model. Call `allocate()` before use."""
     import json
 
     from pipeline.models.llama import unsupported_reason
@@ -387,7 +399,9 @@ def load_tensor_parallel_model(
     if reason is not None:
         raise ValueError(f"tensor parallelism needs the Llama fast path; {folder.name}: {reason}")
     args = LlamaArgs.from_hf(config)
-    plan = make_plan(args, tp.rank, tp.world_size)
+    if replicate_embedding is None:
+        replicate_embedding = torch.device(tp.device).type == "cuda"
+    plan = make_plan(args, tp.rank, tp.world_size, replicate_embedding)
     model = build_sharded_transformer(args, plan, tp.group, safetensors_source(folder, stats), tp.device,
                                       parse_dtype(dtype))
     tokenizer = load_tokenizer(folder) if tp.rank == 0 else None  # its EOS id joins info.eos_token_ids
@@ -590,8 +604,8 @@ def tensor_parallel_graphs(runner: LlamaCausalLM, config: Any = None, allreduce:
     partial sums from its linears' epilogues (`pipeline.models.tp_fused`); larger calls take the swapped math
     with the "auto" reducer. "auto": "fused" at `FUSED_AUTO_RANKS` ranks where the fused layer runs (and sets
     up), else the reducer's own "auto" (symm, else nccl). Its static logits come from the local output rows;
-    they are gathered here, after the graph (one all_gather per call). The embedding module does its own
-    all_reduce inside the graph."""
+    they are gathered here, after the graph (one all_gather per call). A vocabulary-parallel embedding does its own all_reduce inside
+    the graph; a replicated one (the default on GPUs) needs none."""
     from pipeline.models import fused_linear as fl
     from pipeline.models import graphs
     from pipeline.models.skinny_linear import linear
