@@ -308,11 +308,14 @@ class GraphCausalLM:
         self._outs.clear()
         self.runner.allocate(num_slots + 1, max_len)
         Bmax, Tmax = self.config.batch_buckets[-1], self.config.token_buckets[-1]
-        self._bufs = (
-            torch.zeros(Bmax, Tmax, dtype=torch.int64, device=self.device),  # tokens
-            torch.zeros(Bmax, dtype=torch.int64, device=self.device),  # positions
-            torch.full((Bmax,), num_slots, dtype=torch.int64, device=self.device),  # slots (scratch)
-        )
+        # The graphs' inputs, one block: tokens [Bmax, Tmax], positions [Bmax], slots [Bmax] (the scratch slot).
+        # A call with host inputs fills a host mirror of it and sends it in one copy (`_set_inputs`).
+        self._inputs = torch.zeros(Bmax * Tmax + 2 * Bmax, dtype=torch.int64, device=self.device)
+        self._host_inputs = torch.zeros(Bmax * Tmax + 2 * Bmax, dtype=torch.int64)
+        self._bufs = _input_views(self._inputs, Bmax, Tmax)
+        self._host_bufs = _input_views(self._host_inputs, Bmax, Tmax)
+        for _, _, slot_view in (self._bufs, self._host_bufs):
+            slot_view.fill_(num_slots)
         self._arange = torch.arange(max(max_len, Tmax), device=self.device)
 
     def cache_bytes(self) -> int:
@@ -338,12 +341,7 @@ class GraphCausalLM:
             return self.runner.forward(tokens, positions, slots, logits_from)
         Bb, Tb, Sb = shape
         tok_buf, pos_buf, slot_buf = self._bufs
-        tok_buf[:Bb, :Tb].zero_()
-        tok_buf[:B, :T].copy_(tokens, non_blocking=True)
-        pos_buf[B:Bb].zero_()
-        pos_buf[:B].copy_(positions, non_blocking=True)
-        slot_buf[B:Bb].fill_(self.num_slots)  # padding rows -> the scratch slot
-        slot_buf[:B].copy_(slots, non_blocking=True)
+        self._set_inputs(tokens, positions, slots, Bb, Tb)
         entry = self._graphs.get(shape)
         if entry is None:
             entry = self._graphs[shape] = self._capture_or_fall_back(shape)
@@ -353,10 +351,33 @@ class GraphCausalLM:
             self._static_forward(tok_buf[:Bb, :Tb], pos_buf[:Bb], slot_buf[:Bb], Sb, entry.logits)
         self.stats.graph_calls += 1
         self.stats.shapes[shape] = self.stats.shapes.get(shape, 0) + 1
-        return entry.logits[:B, logits_from:T].clone()
+        return self._result(entry.logits[:B, logits_from:T])
+
+    def _result(self, logits: torch.Tensor) -> torch.Tensor:
+        """What `forward` returns for a view of a graph's static logits: a copy (the next replay overwrites them).
+        The tensor-parallel wrapper gathers from the view instead, which copies anyway."""
+        return logits.clone()
+
+    def _set_inputs(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, Bb: int, Tb: int) -> None:
+        """The graph inputs of a call padded to (Bb, Tb): padding tokens and positions 0, padding rows in the
+        scratch slot. Host inputs (the engine's) go into the host mirror, then to the device in one copy: one
+        transfer in the step instead of three copies and three fills. A pageable host-to-device copy returns once
+        the driver has staged it, so the mirror can be written again by the next call at once."""
+        B, T = tokens.shape
+        on_host = all(t.device.type == "cpu" for t in (tokens, positions, slots))
+        tok_buf, pos_buf, slot_buf = self._host_bufs if on_host else self._bufs
+        tok_buf[:Bb, :Tb].zero_()
+        tok_buf[:B, :T].copy_(tokens, non_blocking=not on_host)
+        pos_buf[B:Bb].zero_()
+        pos_buf[:B].copy_(positions, non_blocking=not on_host)
+        slot_buf[B:Bb].fill_(self.num_slots)  # padding rows -> the scratch slot
+        slot_buf[:B].copy_(slots, non_blocking=not on_host)
+        if on_host:
+            self._inputs.copy_(self._host_inputs, non_blocking=True)
 
     __call__ = forward
 
+    @torch.inference_mode()  # as `forward`: a capture here may reuse a logits buffer a forward made (inference tensor)
     def warmup(self, max_batch: int, max_tokens: int | None = None) -> int:
         """Capture now every graph that calls of up to `max_batch` rows x `max_tokens` tokens (None: any token
         bucket) would use (with the Triton attention, every one; with SDPA, those of the shortest contexts),
@@ -517,6 +538,12 @@ class GraphCausalLM:
         m = r.model
         w_out, s_out = self._fp8_out or (m.output.weight, None)
         fl.fused_linear(x, w_out, norm_w=m.norm.weight, eps=eps, out=out.view(B * T, -1), use_pdl=p, w_scale=s_out)
+
+
+def _input_views(block: torch.Tensor, Bmax: int, Tmax: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens [Bmax, Tmax], positions [Bmax], slots [Bmax]) over one int64 block."""
+    n = Bmax * Tmax
+    return block[:n].view(Bmax, Tmax), block[n:n + Bmax], block[n + Bmax:n + 2 * Bmax]
 
 
 def maybe_graphs(model: CausalLM, config: GraphConfig | None = None) -> CausalLM:

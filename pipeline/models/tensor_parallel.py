@@ -604,7 +604,8 @@ def tensor_parallel_graphs(runner: LlamaCausalLM, config: Any = None, allreduce:
     partial sums from its linears' epilogues (`pipeline.models.tp_fused`); larger calls take the swapped math
     with the "auto" reducer. "auto": "fused" at `FUSED_AUTO_RANKS` ranks where the fused layer runs (and sets
     up), else the reducer's own "auto" (symm, else nccl). Its static logits come from the local output rows;
-    they are gathered here, after the graph (one all_gather per call). A vocabulary-parallel embedding does its own all_reduce inside
+    they are gathered here, after the graph (one all_gather per call, straight from the graph's output; the eager
+    fallback's output module gathers its own). A vocabulary-parallel embedding does its own all_reduce inside
     the graph; a replicated one (the default on GPUs) needs none."""
     from pipeline.models import fused_linear as fl
     from pipeline.models import graphs
@@ -617,15 +618,10 @@ def tensor_parallel_graphs(runner: LlamaCausalLM, config: Any = None, allreduce:
     vocab_size = runner.info.vocab_size
 
     class TensorParallelGraphs(graphs.GraphCausalLM):
-        def forward(self, tokens, positions, slots, logits_from: int = 0) -> torch.Tensor:  # [B, T', V]
-            logits = super().forward(tokens, positions, slots, logits_from)
-            if logits.shape[-1] == vocab_size:  # the eager fallback: gathered by the output module
-                return logits
+        def _result(self, logits: torch.Tensor) -> torch.Tensor:  # [B, T', V]: gathered from the static slice
             assert logits.shape[-1] == plan.vocab_shard, (
                 f"graph path returned {logits.shape[-1]} logits per row; expected this rank's {plan.vocab_shard}")
-            return gather_vocab(logits, vocab_size, group)
-
-        __call__ = forward
+            return gather_vocab(logits, vocab_size, group)  # a new tensor: no copy of the slice first
 
     g = TensorParallelGraphs(runner, config)
     kinds = ALLREDUCE_KINDS + ("fused",)
