@@ -31,8 +31,9 @@ Update 5; 4x H100, batch-1 decode, the Llama-3-8B shape): TP=2 3.72 -> 3.47 ms, 
 Against "symm" (a copy, then PyTorch's one-shot all-reduce kernel, then the residual add; `tp_allreduce`): "fused"
 was 14% faster at TP=2 and 31% at TP=4 already before this change (Update 4). `tensor_parallel_graphs(...,
 allreduce="auto")` takes it at 2 and 4 ranks (`FUSED_AUTO_RANKS`). Summing the partials inside the next
-linear's RMSNorm prologue instead (no kernel) was slower on H200s (3.81 and 4.27 ms): every program of that
-linear has to read every rank's partial before its first weight tile.
+linear's RMSNorm prologue instead (no kernel) was slower on H200s (3.81 and 4.27 ms), and again with the unit
+counters on 4 H100s (TP=2 5.52 against 3.44 ms, TP=4 5.34 against 2.32; BENCHMARKS.md issue 6, Update 6): every
+program of that linear polls every counter of the site and reads every rank's partial for each of its K tiles.
 
 Site s of a step: 2i is layer i's output projection, 2i+1 its down projection. `epoch` counts forwards
 (`begin()`, a one-thread kernel at the start of each); counters only grow (int64), so nothing is reset
