@@ -293,7 +293,7 @@ class SpeculativeEngine:
         K = max(wants)
         catch_up_s = 0.0
         if K > 0:
-            rows = [DraftRequest(s.request_id, s.context, w) for s, w in zip(states, wants)]
+            rows = [DraftRequest(s.request_id, s.context_view, w) for s, w in zip(states, wants)]
             prepare = getattr(self.drafter, "prepare", None)
             if prepare is not None:
                 # The drafter's catch-up on the tokens committed while it was not drafting (prompt lookup's index
