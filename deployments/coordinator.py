@@ -273,7 +273,7 @@ class Coordinator:
             self.k_policy.observe(max(self.active, 1), len(draft.tokens), time.perf_counter() - t0,
                                   [len(draft.tokens)], [num_accepted], timed=run.steps > 1)
         if run.pre is not None and not (
-            not state.finished and run.pre.step == state.step and run.pre.context_len == len(state.context)
+            not state.finished and run.pre.step == state.step and run.pre.context_len == state.length
             and state.context[-len(run.pre.tail):] == run.pre.tail
         ):
             self._drop_predraft(run)
@@ -375,7 +375,7 @@ class Coordinator:
             return
         extra = 1 if self._overlap_wanted(run, state.step + 2) and assumed_remaining - want_next > 2 else 0
         tail = [*draft.tokens, draft.guess]
-        ctx_len = len(state.context)
+        ctx_len = state.length
         row = ProposeRow(state.request_id, ctx_len, tail, want_next + extra, state.params, state.step + 1,
                          run.draft_top_k)
         ref = run.drafter_handle.propose.remote(row, _trace())
