@@ -11,17 +11,8 @@ import argparse
 import os
 import random
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def per_call_us(fn, n: int) -> float:
-    fn()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t) / n * 1e6
 
 
 def element_loop(a: list[int], b: list[int]) -> int:
@@ -34,6 +25,7 @@ def element_loop(a: list[int], b: list[int]) -> int:
 
 
 def main() -> int:
+    from ops.bench_hooks import per_call_us
     from pipeline.drafters import _as_list, _common_prefix
     from pipeline.sequence import TokenView
 
