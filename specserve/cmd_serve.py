@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 
@@ -142,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
     print("specserve: starting Ray and Serve ...", flush=True)
     ray.init(address=args.address or "local", include_dashboard=False, logging_level="WARNING")
     stop = threading.Event()
+    got: list[int] = []  # the signals received
     try:
         quiet = {"log_level": "WARNING", "enable_access_log": False}
         serve.start(http_options={"host": args.host, "port": args.port}, logging_config=quiet)
@@ -155,17 +157,45 @@ def run(args: argparse.Namespace) -> int:
               f"-d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 32, \"stream\": true}}'")
         print("Press Ctrl-C to stop.", flush=True)
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+            signal.signal(sig, lambda signum, _frame: (got.append(signum), stop.set()))
         while not stop.wait(0.5):
             pass
         print("\nspecserve: shutting down ...", flush=True)
     finally:
         try:
-            serve.shutdown()
+            if got[-1:] == [signal.SIGTERM] and not args.address and _local_ray_hit():
+                # The signal went to the whole process group (`timeout`, a systemd stop) and reached this driver's
+                # own Ray daemons too: Serve's graceful shutdown would wait 30 s and fail. Ray's shutdown below
+                # stops every process of this local cluster; requests in flight stay resumable from Redis.
+                print("specserve: the signal reached Ray's own processes too; skipping Serve's graceful shutdown",
+                      flush=True)
+            else:
+                serve.shutdown()
         finally:
             ray.shutdown()
     print("specserve: stopped.", flush=True)
     return 0
+
+
+def _local_ray_hit(wait_s: float = 1.0) -> bool:
+    """Whether any Ray head process this driver started (raylet, GCS, dashboard, its agent, the log monitor) has
+    died, allowing `wait_s` for it: a signal to the whole process group reaches them too (they ignore only SIGINT),
+    and once the dashboard agent is gone the raylet follows, so Serve's graceful shutdown cannot finish. False when
+    this driver joined a cluster (it started none) or Ray's internals do not say."""
+    try:
+        from ray._private import worker
+
+        node = worker._global_node
+        if node is None or not node.all_processes:
+            return False
+        deadline = time.monotonic() + wait_s
+        while not node.dead_processes():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+    except Exception:  # noqa: BLE001 - private API: when it changes, shut down the usual way
+        return False
 
 
 if __name__ == "__main__":  # pragma: no cover
