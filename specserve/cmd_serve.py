@@ -179,9 +179,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _local_ray_hit(wait_s: float = 1.0) -> bool:
     """Whether any Ray head process this driver started (raylet, GCS, dashboard, its agent, the log monitor) has
-    died, allowing `wait_s` for it: a signal to the whole process group reaches them too (they ignore only SIGINT),
-    and once the dashboard agent is gone the raylet follows, so Serve's graceful shutdown cannot finish. False when
-    this driver joined a cluster (it started none) or Ray's internals do not say."""
+    died, allowing `wait_s` for it: a signal to the whole process group reaches them too (they block only SIGINT;
+    the dashboard, its agent and the log monitor die at once), and Serve's graceful shutdown then cannot finish (it
+    waited its full 30 s and failed). False when this driver joined a cluster (it started none) or Ray's internals
+    do not say."""
     try:
         from ray._private import worker
 
