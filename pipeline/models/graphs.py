@@ -360,20 +360,24 @@ class GraphCausalLM:
 
     def _set_inputs(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, Bb: int, Tb: int) -> None:
         """The graph inputs of a call padded to (Bb, Tb): padding tokens and positions 0, padding rows in the
-        scratch slot. Host inputs (the engine's) go into the host mirror, then to the device in one copy: one
-        transfer in the step instead of three copies and three fills. A pageable host-to-device copy returns once
-        the driver has staged it, so the mirror can be written again by the next call at once."""
+        scratch slot. Host positions and slots (the engine's and the draft model's) are written into the host
+        mirror and sent in one copy, with the tokens when those are on the host too (otherwise the tokens are one
+        device copy): one or three operations in the step instead of six. A pageable host-to-device copy returns
+        once the driver has staged it, so the mirror can be written again by the next call at once."""
         B, T = tokens.shape
-        on_host = all(t.device.type == "cpu" for t in (tokens, positions, slots))
-        tok_buf, pos_buf, slot_buf = self._host_bufs if on_host else self._bufs
+        host_rows = positions.device.type == "cpu" and slots.device.type == "cpu"
+        host_tokens = host_rows and tokens.device.type == "cpu"
+        tok_buf = self._host_bufs[0] if host_tokens else self._bufs[0]
+        _, pos_buf, slot_buf = self._host_bufs if host_rows else self._bufs
         tok_buf[:Bb, :Tb].zero_()
-        tok_buf[:B, :T].copy_(tokens, non_blocking=not on_host)
+        tok_buf[:B, :T].copy_(tokens, non_blocking=not host_tokens)
         pos_buf[B:Bb].zero_()
-        pos_buf[:B].copy_(positions, non_blocking=not on_host)
+        pos_buf[:B].copy_(positions, non_blocking=not host_rows)
         slot_buf[B:Bb].fill_(self.num_slots)  # padding rows -> the scratch slot
-        slot_buf[:B].copy_(slots, non_blocking=not on_host)
-        if on_host:
-            self._inputs.copy_(self._host_inputs, non_blocking=True)
+        slot_buf[:B].copy_(slots, non_blocking=not host_rows)
+        if host_rows:
+            start = 0 if host_tokens else self._bufs[0].numel()  # the block: tokens, then positions and slots
+            self._inputs[start:].copy_(self._host_inputs[start:], non_blocking=True)
 
     __call__ = forward
 
