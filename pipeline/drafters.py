@@ -191,8 +191,8 @@ class ModelDrafter:
             return
         slot = self._slot(request_id, {request_id})
         prompt = torch.tensor([list(context[:-1])], dtype=torch.int64, device=self.device)
-        zero = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self.model.forward(prompt, zero, torch.tensor([slot], device=self.device), prompt.shape[1] - 1)
+        zero = torch.zeros(1, dtype=torch.int64)  # positions and slots stay on the host: no device sync
+        self.model.forward(prompt, zero, torch.tensor([slot], dtype=torch.int64), prompt.shape[1] - 1)
         self._fed[request_id] = list(context[:-1])  # propose then feeds only the last token
 
     def release(self, request_id: str) -> None:
@@ -205,7 +205,9 @@ class ModelDrafter:
         B = len(rows)
         device = self.device
         busy = {r.request_id for r in rows}
-        slots = torch.tensor([self._slot(r.request_id, busy) for r in rows], dtype=torch.int64, device=device)
+        # Positions and slots stay on the host, as the engine passes the target's: a runner reads them without a
+        # device sync (on device, every one of the K forwards below waited for the one before it to finish).
+        slots = torch.tensor([self._slot(r.request_id, busy) for r in rows], dtype=torch.int64)
         # 1. Catch up: feed each row's committed tokens its cache lacks (ragged; right-padded).
         pending, starts = [], []
         for r in rows:
@@ -220,9 +222,9 @@ class ModelDrafter:
         for b, p in enumerate(pending):
             tokens[b, : len(p)] = torch.tensor(p, dtype=torch.int64)
         last = torch.tensor([len(p) - 1 for p in pending], dtype=torch.int64, device=device)
-        logits = self.model.forward(tokens.to(device), torch.tensor(starts, device=device), slots)
+        logits = self.model.forward(tokens.to(device), torch.tensor(starts, dtype=torch.int64), slots)
         logits = logits[torch.arange(B, device=device), last][:, None, :]  # [B, 1, V']
-        positions = torch.tensor([len(r.context) for r in rows], dtype=torch.int64, device=device)
+        positions = torch.tensor([len(r.context) for r in rows], dtype=torch.int64)
 
         # 2. Draft K tokens, one forward per token after the first.
         out_tokens = torch.zeros(B, k, dtype=torch.int64, device=device)

@@ -256,6 +256,9 @@ def test_greedy_speculative_on_graphs_equals_unbatched_eager_fp32(attention):
     got = [r.token_ids for r in engine.generate_batch(prompts, params, SpecParams(5))]
     assert got == ref
     assert engine.target.stats.captures > 0 and engine.target.stats.graph_calls > engine.target.stats.eager_calls
+    # Neither model's steps read their positions back from the device: the engine and the drafter pass them
+    # (and the slots) on the host.
+    assert engine.target.stats.host_syncs == 0 and drafter.model.stats.host_syncs == 0
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
