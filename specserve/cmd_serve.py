@@ -142,8 +142,19 @@ def run(args: argparse.Namespace) -> int:
 
     print("specserve: starting Ray and Serve ...", flush=True)
     ray.init(address=args.address or "local", include_dashboard=False, logging_level="WARNING")
-    stop = threading.Event()
+    stop, serving = threading.Event(), threading.Event()
     got: list[int] = []  # the signals received
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        got.append(signum)
+        stop.set()
+        if not serving.is_set():
+            raise KeyboardInterrupt  # during Serve's start-up: interrupt it, as Ctrl-C does, and shut down
+
+    # Right after ray.init, whose own SIGTERM handler dumps a stack and aborts the process.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    print("specserve: Ray is up; deploying the target, drafter and coordinator replicas ...", flush=True)
     try:
         quiet = {"log_level": "WARNING", "enable_access_log": False}
         serve.start(http_options={"host": args.host, "port": args.port}, logging_config=quiet)
@@ -155,9 +166,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"specserve: serving {model} at {url}  (drafter: {cfg.drafter.method}, Redis: {redis_where})")
         print(f"  curl -N {url}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 32, \"stream\": true}}'")
+        serving.set()
         print("Press Ctrl-C to stop.", flush=True)
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda signum, _frame: (got.append(signum), stop.set()))
         while not stop.wait(0.5):
             pass
         print("\nspecserve: shutting down ...", flush=True)
