@@ -155,7 +155,7 @@ class TargetWorker:
                     done = self._prefilling.pop(r.request_id, 0)
                     if r.start > done:  # chunked prefill: at most PREFILL_CHUNK prompt tokens per pass
                         end = min(r.start, done + PREFILL_CHUNK)
-                        tokens = torch.tensor([r.prefix[done:end]], dtype=torch.int64, device=self.device)
+                        tokens = torch.tensor([r.prefix[done:end]], dtype=torch.int64)  # runners move it
                         self.model.forward(tokens, torch.full((1,), done, dtype=torch.int64),
                                            torch.tensor([slot], dtype=torch.int64), end - done - 1)
                         if end < r.start:  # the rest in later passes; running requests step in between
@@ -186,8 +186,10 @@ class TargetWorker:
             num_draft[b] = len(r.tokens) - 1
         slots = torch.tensor([self._slot_for(r.request_id, pinned) for r in rows], dtype=torch.int64)
         positions = torch.tensor([r.start for r in rows], dtype=torch.int64)
-        # Positions and slots stay on the host: runners read them without a device sync.
-        logits = self.model.forward(tokens.to(dev), positions, slots)  # [B, K+1, V]
+        # Tokens, positions and slots stay on the host: runners read the positions without a device sync, the graph
+        # path sends all three in one copy, and a tensor-parallel leader broadcasts them from the host anyway (a
+        # device copy made it copy them back, a sync).
+        logits = self.model.forward(tokens, positions, slots)  # [B, K+1, V]
         for r in rows:
             self._fed[r.request_id] = max(self._fed.get(r.request_id, 0), r.start + len(r.tokens))
         top_ids = top_probs = None
