@@ -142,14 +142,15 @@ def run(args: argparse.Namespace) -> int:
 
     print("specserve: starting Ray and Serve ...", flush=True)
     ray.init(address=args.address or "local", include_dashboard=False, logging_level="WARNING")
-    stop, serving = threading.Event(), threading.Event()
+    stop, calm = threading.Event(), threading.Event()  # calm: signals only set `stop` (serving, or shutting down)
     got: list[int] = []  # the signals received
 
     def on_signal(signum: int, _frame: Any) -> None:
         got.append(signum)
         stop.set()
-        if not serving.is_set():
-            raise KeyboardInterrupt  # during Serve's start-up: interrupt it, as Ctrl-C does, and shut down
+        if not calm.is_set():  # the first one during Serve's start-up: interrupt it, as Ctrl-C does, and shut down
+            calm.set()
+            raise KeyboardInterrupt
 
     # Right after ray.init, whose own SIGTERM handler dumps a stack and aborts the process.
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -166,12 +167,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"specserve: serving {model} at {url}  (drafter: {cfg.drafter.method}, Redis: {redis_where})")
         print(f"  curl -N {url}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 32, \"stream\": true}}'")
-        serving.set()
+        calm.set()
         print("Press Ctrl-C to stop.", flush=True)
         while not stop.wait(0.5):
             pass
         print("\nspecserve: shutting down ...", flush=True)
     finally:
+        calm.set()  # a second signal must not interrupt the shutdown itself
         try:
             if got[-1:] == [signal.SIGTERM] and not args.address and _local_ray_hit():
                 # The signal went to the whole process group (`timeout`, a systemd stop) and reached this driver's
