@@ -309,7 +309,8 @@ class GraphCausalLM:
         self.runner.allocate(num_slots + 1, max_len)
         Bmax, Tmax = self.config.batch_buckets[-1], self.config.token_buckets[-1]
         # The graphs' inputs, one block: tokens [Bmax, Tmax], positions [Bmax], slots [Bmax] (the scratch slot).
-        # A call with host inputs fills a host mirror of it and sends it in one copy (`_set_inputs`).
+        # A call writes its host inputs (positions and slots; tokens too when on the host) into a host mirror of
+        # it and sends them in one copy (`_set_inputs`).
         self._inputs = torch.zeros(Bmax * Tmax + 2 * Bmax, dtype=torch.int64, device=self.device)
         self._host_inputs = torch.zeros(Bmax * Tmax + 2 * Bmax, dtype=torch.int64)
         self._bufs = _input_views(self._inputs, Bmax, Tmax)
