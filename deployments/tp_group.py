@@ -8,10 +8,11 @@ host picks the rendezvous (its node's IP and a free TCP port; every bundle is on
 joins the group in its constructor: NCCL on GPUs, gloo on CPU, plus a gloo control group.
 
 Rank 0's runner is a `pipeline.models.tensor_parallel.TensorParallelRunner`: each target pass (prefill or a
-batched verify) is broadcast to the followers, which replay it on their shards (`follow()`, in a thread);
-only rank 0 gets logits and answers. On CUDA every rank wraps its shard in the static-shape graph runner.
+batched verify) is sent to the followers (a Unix socket each, `pipeline.models.tp_control`: the bundles share a
+node), which replay it on their shards (`follow()`, in a thread); only rank 0 gets logits and answers. On CUDA
+every rank wraps its shard in the static-shape graph runner.
 
-A lost rank takes the replica down, without hangs: a broken collective or broadcast, a collective past its
+A lost rank takes the replica down, without hangs: a broken collective or control connection, a collective past its
 timeout, or (followers) no word from rank 0 within the control timeout makes that process exit. The
 coordinator sees rank 0 gone (ActorDiedError), fails over to another target replica and replays the request's
 committed tokens from Redis; the host's health check (a ping to every rank) fails, and Serve replaces the

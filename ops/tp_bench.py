@@ -20,7 +20,9 @@ slices, which is as good for timing), wrap them in the static-shape graph runner
 collectives captured inside), prefill `--context` tokens per row, and time one step of B rows x T tokens
 (T = 1 decode, T = K+1 verify), all ranks in lockstep (SPMD). TP=1 is the plain unsharded runner.
 Also timed: the eager runner (B=1, T=1), and "driven" steps, the way a serving replica runs them: rank 0's
-`TensorParallelRunner` broadcasts each call's inputs over the gloo control group and the other ranks `follow()`.
+`TensorParallelRunner` sends each call's inputs over its control channel and the other ranks `follow()`.
+`--control socket,gloo` times each channel (`pipeline.models.tp_control`) in the same processes; the table's
+driven column shows the first.
 
 floor = (this rank's weights read once + its KV heads read and written) / copy bandwidth of one card
 (a large device-to-device copy: bytes read + written over time), so at TP=N it is the floor "across the N
@@ -54,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline.models.base import ModelInfo  # noqa: E402
 from pipeline.models.kernel_timing import copy_GBps  # noqa: E402
 from pipeline.models.llama import LlamaArgs, LlamaCausalLM, Transformer  # noqa: E402
+from pipeline.models.tp_control import parse_control  # noqa: E402
 from pipeline.models.tensor_parallel import (  # noqa: E402
     Slice, TensorParallelRunner, build_sharded_transformer, follow, init_tensor_parallel, make_plan,
     num_parameters, sharded_runner, tensor_parallel_graphs,
@@ -243,16 +246,20 @@ def bench_rank(rank: int, world: int, init_method: str, shape: str, args: argpar
                         f"{row.get('replay_ms', float('nan')):.3f}, floor {row['floor_ms'] or float('nan'):.3f}, "
                         f"eager {row.get('eager_ms', float('nan')):.2f})")
 
-        if world > 1:  # driven steps: rank 0 broadcasts each call, the others follow
+        for ci, control in enumerate(args.control.split(",") if world > 1 else []):
+            # driven steps: rank 0 sends each call over its control channel, the others follow
             if rank == 0:
-                leader = TensorParallelRunner(fast, tp, heartbeat_s=None)
-                # What a serving replica does at start: every rank captures the remaining step graphs in lockstep
-                # (batch buckets up to 4 here; the timed shapes above are captured already).
-                t_warm = time.perf_counter()
-                captured = leader.warmup(4, max(Ts))
-                rec[f"driven_warmup_{resolved}"] = {"captures": captured, "seconds": time.perf_counter() - t_warm}
-                log(f"{shape} TP={world} [{resolved}] driven warm-up: {captured} graphs on every rank in "
-                    f"{time.perf_counter() - t_warm:.1f} s")
+                kind, spin_ms = parse_control(control)
+                leader = TensorParallelRunner(fast, tp, heartbeat_s=None, control=kind, spin_ms=spin_ms)
+                name = leader.control + (f":{spin_ms:g}" if spin_ms is not None and leader.control == "socket" else "")
+                if ci == 0:
+                    # What a serving replica does at start: every rank captures the remaining step graphs in
+                    # lockstep (batch buckets up to 4 here; the timed shapes above are captured already).
+                    t_warm = time.perf_counter()
+                    captured = leader.warmup(4, max(Ts))
+                    rec[f"driven_warmup_{resolved}"] = {"captures": captured, "seconds": time.perf_counter() - t_warm}
+                    log(f"{shape} TP={world} [{resolved}] driven warm-up: {captured} graphs on every rank in "
+                        f"{time.perf_counter() - t_warm:.1f} s")
                 for T in Ts:
                     tokens, positions, slots = step_tokens[:1, :T], torch.tensor([args.context]), torch.tensor([0])
 
@@ -262,8 +269,11 @@ def bench_rank(rank: int, world: int, init_method: str, shape: str, args: argpar
                             torch.cuda.synchronize()
 
                     ms = time_fn(call, cuda=False, iters=args.iters)["median_ms"]
-                    next(r for r in vrows if (r["B"], r["T"]) == (1, T))["driven_ms"] = ms
-                    log(f"{shape} TP={world} [{resolved}] driven B=1 T={T}: {ms:.3f} ms")
+                    row = next(r for r in vrows if (r["B"], r["T"]) == (1, T))
+                    row[f"driven_{name}_ms"] = ms
+                    if ci == 0:
+                        row["driven_ms"] = ms
+                    log(f"{shape} TP={world} [{resolved}] driven ({name}) B=1 T={T}: {ms:.3f} ms")
                 leader.close()
             else:
                 follow(fast, tp)
@@ -446,6 +456,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="TP embedding table: replicated on every rank, or vocabulary-parallel with an all_reduce "
                         "(auto: replicated on CUDA, as load_tensor_parallel_model does)")
     p.add_argument("--linear", default="auto", help="GraphConfig.linear: auto (tuned Triton/cuBLAS), torch, triton")
+    p.add_argument("--control", default="auto",
+                   help="driven steps' control channel(s), comma-separated: auto, socket, gloo (tp_control), each "
+                        "with an optional :MS, the followers' poll window (socket:0 blocks at once)")
     p.add_argument("--no-fp32-ref", action="store_true", help="skip the float32 TP=1 logits (needs 4 bytes/param)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="per (shape, N) launch")
     args = p.parse_args(argv)

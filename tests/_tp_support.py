@@ -73,7 +73,7 @@ def script(runner: Any, vocab: int, greedy_tokens: int = 12) -> dict[str, torch.
     return out
 
 
-LONG = 1100  # a prefill past the ids that ride inline in the control message (1024)
+LONG = 1100  # a prefill past the ids that ride inline in gloo's control message (1024)
 
 
 def long_prompt() -> torch.Tensor:
@@ -143,10 +143,11 @@ def compare_ranks(rank: int, world_size: int, init: str, models: dict[str, str],
                 "output_rows": runner.model.output.weight.shape[0]}
     first = next(iter(models))
 
-    def driven(make: Callable[[], Any], key: str) -> None:
+    def driven(make: Callable[[], Any], key: str, control: str) -> None:
         inner = make()
         if rank == 0:
-            leader = TensorParallelRunner(inner, tp, heartbeat_s=0.4)
+            leader = TensorParallelRunner(inner, tp, heartbeat_s=0.4, control=control)
+            results[f"{key}_control"] = leader.control
             leader.allocate(SLOTS, MAX_LEN)
             results[f"{key}_warmup"] = leader.warmup(4, 8)  # reaches every rank; no graphs to capture on CPU
             bad = [(torch.tensor([[1]]), torch.tensor([0]), torch.tensor([SLOTS])),  # no such slot
@@ -159,23 +160,24 @@ def compare_ranks(rank: int, world_size: int, init: str, models: dict[str, str],
                 except AssertionError:
                     results[f"{key}_rejected"] += 1
             results[key] = script(leader, inner.info.vocab_size)
-            if key == "driven":
-                time.sleep(3.0)  # idle past the 2 s control timeout: heartbeats keep the follower waiting
-                results["after_idle"] = leader.forward(torch.tensor([[1, 2]]), torch.tensor([0]), torch.tensor([3]))
-                leader.allocate(2, LONG + 8)  # re-allocation reaches the followers too
-                results["long_prefill"] = leader.forward(long_prompt(), torch.tensor([0]), torch.tensor([1]), LONG - 4)
+            time.sleep(3.0)  # idle past the 2 s control timeout: heartbeats keep the follower waiting
+            results[f"{key}_after_idle"] = leader.forward(torch.tensor([[1, 2]]), torch.tensor([0]), torch.tensor([3]))
+            leader.allocate(2, LONG + 8)  # re-allocation reaches the followers too
+            results[f"{key}_long_prefill"] = leader.forward(long_prompt(), torch.tensor([0]), torch.tensor([1]),
+                                                            LONG - 4)
             leader.close()
         else:
             follow(inner, tp)
 
-    driven(lambda: load_tensor_parallel_model(models[first], tp), "driven")
+    # The control channel: a Unix socket to each follower (what "auto" takes on one host), then gloo broadcasts.
+    driven(lambda: load_tensor_parallel_model(models[first], tp), "driven", "auto")
     if importlib.util.find_spec("pipeline.models.graphs") is not None:  # the static-shape path (CPU: no capture)
         from pipeline.models.graphs import GraphConfig
 
         static = GraphConfig(graphs=False, compile=False, **GRAPH_BUCKETS)
         graph_runner = []
         driven(lambda: graph_runner.append(tensor_parallel_graphs(load_tensor_parallel_model(models[first], tp),
-                                                                  static)) or graph_runner[0], "graphs")
+                                                                  static)) or graph_runner[0], "graphs", "gloo")
         results["graph_calls"] = graph_runner[0].stats.graph_calls
         for kind in ("fused", "ring"):  # refused before any collective: the fused layer needs CUDA; no such kind
             try:
@@ -212,7 +214,7 @@ def compare_ranks(rank: int, world_size: int, init: str, models: dict[str, str],
         follow(runner, tp)  # killed by the test while waiting here
 
 
-def leader_lost(rank: int, world_size: int, init: str, model: str, hang: bool, out_dir: str) -> None:
+def leader_lost(rank: int, world_size: int, init: str, model: str, hang: bool, control: str, out_dir: str) -> None:
     """Rank 0 is killed by the test (hang=False) or stops sending anything, heartbeats included (hang=True):
     the follower's follow() must raise within the control timeout, not wait forever."""
     from pipeline.models.tensor_parallel import (
@@ -223,7 +225,7 @@ def leader_lost(rank: int, world_size: int, init: str, model: str, hang: bool, o
     tp = init_tensor_parallel(rank, world_size, init, "cpu", collective_timeout_s=20, control_timeout_s=1.5)
     runner = load_tensor_parallel_model(model, tp)
     if rank == 0:
-        leader = TensorParallelRunner(runner, tp, heartbeat_s=None)
+        leader = TensorParallelRunner(runner, tp, heartbeat_s=None, control=control)
         leader.allocate(SLOTS, MAX_LEN)
         leader.forward(torch.tensor([[1, 2, 3]]), torch.tensor([0]), torch.tensor([0]))
         (out / "ready_to_kill").touch()

@@ -14,12 +14,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_tp_bench_smoke_on_cpu(tmp_path):
     cmd = [sys.executable, "ops/tp_bench.py", "--device", "cpu", "--shapes", "tiny", "--sizes", "1,2",
-           "--context", "24", "--iters", "3", "--out", str(tmp_path)]
+           "--context", "24", "--iters", "3", "--control", "socket,gloo", "--out", str(tmp_path)]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| tiny |")]
     assert [r.split("|")[2].strip() for r in rows] == ["1", "1", "2", "2"], out.stdout  # TP, for T = 1 and 5
-    assert "driven" in out.stdout
+    assert "driven (socket)" in out.stdout and "driven (gloo)" in out.stdout
+    import json
+
+    rows = json.loads((tmp_path / "tp_bench_tiny_tp2.json").read_text())["rows"]
+    assert all(r["driven_socket_ms"] > 0 and r["driven_gloo_ms"] > 0 for r in rows)  # both channels drove steps
     sys.path.insert(0, str(ROOT / "ops"))
     import tp_bench
 

@@ -176,16 +176,22 @@ def test_driven_mode_and_the_static_graph_path_equal_tp1(run2, references):
     # allreduce="fused" needs the fused layer (CUDA, bf16): refused with the reason on CPU; unknown kinds too
     assert "needs the fused layer" in run2["results"]["refused_fused"]
     assert "allreduce must be one of" in run2["results"]["refused_ring"]
-    # a call after an idle gap longer than the control timeout (heartbeats kept the follower waiting)
+    # the control channels: a Unix socket per follower ("auto" on one host), and gloo broadcasts
+    assert run2["results"]["driven_control"] == "socket"
+    assert run2["results"]["graphs_control"] == "gloo"
+    # over each: a call after an idle gap longer than the control timeout (heartbeats kept the follower waiting),
+    # and a prefill longer than gloo's inline inputs
     ref_runner = references["llama"][1]
     after = ref_runner.forward(torch.tensor([[1, 2]]), torch.tensor([0]), torch.tensor([3]))
-    assert (run2["results"]["after_idle"] - after).abs().max().item() <= RTOL * max(after.abs().max().item(), 1.0)
-    ref_runner.allocate(2, LONG + 8)  # a prefill longer than the control message's inline inputs
+    ref_runner.allocate(2, LONG + 8)
     long = ref_runner.forward(long_prompt(), torch.tensor([0]), torch.tensor([1]), LONG - 4)
-    got = run2["results"]["long_prefill"]
-    assert got.shape == long.shape == (1, 4, 128)
-    assert (got - long).abs().max().item() <= RTOL * max(long.abs().max().item(), 1.0)
     ref_runner.allocate(SLOTS, MAX_LEN)
+    for key in ("driven", "graphs"):
+        got = run2["results"][f"{key}_after_idle"]
+        assert (got - after).abs().max().item() <= RTOL * max(after.abs().max().item(), 1.0), key
+        got = run2["results"][f"{key}_long_prefill"]
+        assert got.shape == long.shape == (1, 4, 128)
+        assert (got - long).abs().max().item() <= RTOL * max(long.abs().max().item(), 1.0), key
 
 
 def test_a_lost_follower_fails_the_next_call_fast_and_breaks_the_group(run2):
@@ -197,9 +203,10 @@ def test_a_lost_follower_fails_the_next_call_fast_and_breaks_the_group(run2):
     assert run2["exitcodes"][0] == 0
 
 
-@pytest.mark.parametrize("hang", [False, True], ids=["leader_killed", "leader_silent"])
-def test_a_lost_leader_ends_the_follower_instead_of_a_hang(models, tmp_path, hang):
-    procs = spawn(leader_lost, 2, models["llama"], hang, str(tmp_path))
+@pytest.mark.parametrize("hang,control", [(False, "socket"), (True, "socket"), (False, "gloo"), (True, "gloo")],
+                         ids=["leader_killed", "leader_silent", "leader_killed_gloo", "leader_silent_gloo"])
+def test_a_lost_leader_ends_the_follower_instead_of_a_hang(models, tmp_path, hang, control):
+    procs = spawn(leader_lost, 2, models["llama"], hang, control, str(tmp_path))
     try:
         wait_file(tmp_path / "ready_to_kill", 120, procs)
         wait_file(tmp_path / "following", 30, procs)

@@ -21,11 +21,11 @@ ranks that split its query heads evenly; anything else is refused with the reaso
 
 Two ways to run a sharded runner:
 - SPMD (torchrun, benchmarks): every rank calls `forward` with the same inputs.
-- driven (serving): rank 0 wraps its runner in `TensorParallelRunner` (a `CausalLM`); every call is broadcast
-  to the other ranks over a CPU (gloo) control group, where `follow()` replays it. Rank 0 alone returns
-  logits. A failed broadcast or collective breaks the group for good (`TensorParallelError`); idle followers
-  get heartbeats, so a lost rank 0 is noticed within the control group's timeout, and a dead peer's closed
-  socket is noticed at once.
+- driven (serving): rank 0 wraps its runner in `TensorParallelRunner` (a `CausalLM`); every call is sent to
+  the other ranks over the control channel (`tp_control`: a Unix socket to each rank on one host, else a gloo
+  broadcast), where `follow()` replays it. Rank 0 alone returns logits. A failed send or collective breaks the
+  group for good (`TensorParallelError`); idle followers get heartbeats, so a lost rank 0 is noticed within the
+  control timeout, and a dead peer's closed socket is noticed at once.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -357,7 +357,8 @@ class TPContext:
     world_size: int
     device: torch.device
     group: Any  # compute group (NCCL on CUDA, gloo on CPU); None: the default group
-    control: Any  # gloo group for rank 0's broadcasts of each call's inputs
+    control: Any  # gloo group: sets up rank 0's control channel (`tp_control`), and is its fallback
+    control_timeout_s: float = 30.0  # a follower waiting longer than this for rank 0's next message gives up
 
 
 def init_tensor_parallel(
@@ -376,7 +377,7 @@ def init_tensor_parallel(
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=collective_timeout_s), **kw)
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=control_timeout_s))
-    return TPContext(rank, world_size, device, None, control)
+    return TPContext(rank, world_size, device, None, control, control_timeout_s)
 
 
 def load_tensor_parallel_model(
@@ -423,17 +424,7 @@ def sharded_runner(model: Transformer, info: ModelInfo) -> LlamaCausalLM:
 # ----------------------------------------------------------------------------------------------------
 # Driving the followers: rank 0's calls are replayed on every rank
 
-_NOOP, _FORWARD, _ALLOCATE, _STOP, _WARMUP = 0, 1, 2, 3, 4
-_HEADER = 6  # [op, B, T, logits_from, a, b]
-_INLINE = 1024  # inputs up to this many ids ride in the header's message: one broadcast per decode/verify step
-
-
-def _message(header: list[int], payload: Optional[torch.Tensor] = None) -> torch.Tensor:
-    msg = torch.zeros(_HEADER + _INLINE, dtype=torch.int64)
-    msg[:_HEADER] = torch.tensor(header, dtype=torch.int64)
-    if payload is not None and payload.numel() <= _INLINE:
-        msg[_HEADER:_HEADER + payload.numel()] = payload
-    return msg
+_NOOP, _FORWARD, _ALLOCATE, _STOP, _WARMUP = 0, 1, 2, 3, 4  # op, the header's first field (tp_control.HEADER)
 
 
 class TensorParallelError(RuntimeError):
@@ -443,15 +434,20 @@ class TensorParallelError(RuntimeError):
 class TensorParallelRunner:
     """`CausalLM` on rank 0 over a sharded runner whose copies on the other ranks run `follow()`.
 
-    Construction waits (barrier) for the followers to enter `follow()`. Every `allocate`/`forward` is first
-    broadcast over the control group (one message: a header and, up to `_INLINE` ids, the int64 inputs;
-    longer inputs, i.e. prefills, follow in a second one), then run on every rank. Inputs are checked here first, so a bad call fails on rank 0 alone and never
-    desynchronises the group. `heartbeat_s`: idle followers get a no-op this often (keep it well below the
-    control group's timeout). `on_failure(err)` runs once when the group breaks (serving: exit the process).
+    Construction waits (barrier) for the followers to enter `follow()`, then opens the control channel with them
+    (`tp_control.open_control`; `control`: "auto", the default, takes a Unix socket to each follower on this host,
+    else gloo broadcasts; `spin_ms`: how long followers poll for the next message, default
+    `tp_control.DEFAULT_SPIN_MS` on GPUs, 0 on CPU). Every `allocate`/`forward` is first sent to the followers (one message: a header and
+    the int64 inputs), then run on every rank. Inputs are checked here first, so a bad call fails on rank 0 alone
+    and never desynchronises the group. `heartbeat_s`: idle followers get a no-op this often (keep it well below
+    the control timeout). `on_failure(err)` runs once when the group breaks (serving: exit the process).
     """
 
     def __init__(self, runner: Any, tp: TPContext, heartbeat_s: Optional[float] = 5.0,
-                 on_failure: Optional[Callable[[BaseException], None]] = None) -> None:
+                 on_failure: Optional[Callable[[BaseException], None]] = None, control: Optional[str] = None,
+                 spin_ms: Optional[float] = None) -> None:
+        from pipeline.models.tp_control import open_control
+
         assert tp.rank == 0, "TensorParallelRunner runs on rank 0; the other ranks call follow()"
         self.runner, self.tp, self.info = runner, tp, runner.info
         self.on_failure = on_failure
@@ -461,6 +457,10 @@ class TensorParallelRunner:
         self._closed = False
         self.heartbeat_s = heartbeat_s
         dist.barrier(group=tp.group)  # followers are in follow(): startup skew is not held to the control timeout
+        if spin_ms is None and tp.device.type != "cuda":
+            spin_ms = 0.0  # CPU ranks compute on every core: a polling follower would slow them
+        self.channel = open_control(0, tp.world_size, tp.control, control, tp.control_timeout_s, spin_ms)
+        self.control = self.channel.kind
         if heartbeat_s:
             threading.Thread(target=self._heartbeat, name="tp-heartbeat", daemon=True).start()
 
@@ -500,14 +500,12 @@ class TensorParallelRunner:
         assert positions.shape == (B,) and slots.shape == (B,), (
             f"positions {tuple(positions.shape)} and slots {tuple(slots.shape)} must be [B={B}]")
         assert 0 <= logits_from < T, f"logits_from must be in [0, {T}), got {logits_from}"
-        assert int(positions.min()) >= 0 and int(positions.max()) + T <= self.max_len, (
-            f"positions + T must lie in [0, max_len={self.max_len}]")
-        assert int(slots.min()) >= 0 and int(slots.max()) < self.num_slots and len(set(slots.tolist())) == B, (
+        ids, pos, sl = tokens.reshape(-1).tolist(), positions.tolist(), slots.tolist()  # checks on lists: a few us
+        assert min(pos) >= 0 and max(pos) + T <= self.max_len, f"positions + T must lie in [0, max_len={self.max_len}]"
+        assert min(sl) >= 0 and max(sl) < self.num_slots and len(set(sl)) == B, (
             f"slots must be distinct and in [0, {self.num_slots})")
-        assert int(tokens.min()) >= 0 and int(tokens.max()) < self.info.vocab_size, (
-            f"token ids must lie in [0, {self.info.vocab_size})")
-        payload = torch.cat([tokens.reshape(-1), positions, slots])
-        return self._run([_FORWARD, B, T, logits_from, 0, 0], payload,
+        assert min(ids) >= 0 and max(ids) < self.info.vocab_size, f"token ids must lie in [0, {self.info.vocab_size})"
+        return self._run([_FORWARD, B, T, logits_from, 0, 0], ids + pos + sl,
                          lambda: self.runner.forward(tokens, positions, slots, logits_from))
 
     __call__ = forward
@@ -517,24 +515,23 @@ class TensorParallelRunner:
         with self._lock:
             if not self._closed and self.broken is None:
                 self._closed = True
-                self._broadcast(_message([_STOP, 0, 0, 0, 0, 0]))
+                self._send([_STOP, 0, 0, 0, 0, 0])
+                self.channel.close()
 
-    def _run(self, header: list[int], payload: Optional[torch.Tensor], call: Callable[[], Any]) -> Any:
+    def _run(self, header: list[int], payload: Optional[list[int]], call: Callable[[], Any]) -> Any:
         with self._lock:
             if self.broken is not None or self._closed:
                 raise TensorParallelError(f"tensor-parallel group is {'closed' if self._closed else 'broken'}") \
                     from self.broken
             try:
-                self._broadcast(_message(header, payload))
-                if payload is not None and payload.numel() > _INLINE:
-                    self._broadcast(payload)
+                self._send(header, payload or ())
                 return call()
             except Exception as err:  # noqa: BLE001 - any failure mid-call leaves the ranks out of step
                 self._fail(err)
                 raise TensorParallelError(f"tensor-parallel step failed: {err}") from err
 
-    def _broadcast(self, t: torch.Tensor) -> None:
-        dist.broadcast(t, src=0, group=self.tp.control)
+    def _send(self, header: list[int], payload: Sequence[int] = ()) -> None:
+        self.channel.send(header, payload)
         self._last_sent = time.monotonic()
 
     def _fail(self, err: BaseException) -> None:
@@ -552,7 +549,7 @@ class TensorParallelRunner:
                 if time.monotonic() - self._last_sent < self.heartbeat_s:
                     continue
                 try:
-                    self._broadcast(_message([_NOOP, 0, 0, 0, 0, 0]))
+                    self._send([_NOOP, 0, 0, 0, 0, 0])
                 except Exception as err:  # noqa: BLE001
                     self._fail(err)
                     return
@@ -560,16 +557,18 @@ class TensorParallelRunner:
 
 def follow(runner: Any, tp: TPContext) -> None:
     """Ranks > 0: replay rank 0's calls on this rank's shard until rank 0 closes the group. Raises
-    `TensorParallelError` when rank 0 is lost (closed socket, or no heartbeat within the control timeout)
-    or a collective fails."""
+    `TensorParallelError` when rank 0 is lost (a closed connection, or no message, heartbeats included, within
+    the control timeout) or a collective fails."""
+    from pipeline.models.tp_control import open_control
+
     assert tp.rank != 0, "rank 0 drives (TensorParallelRunner); follow() is for the other ranks"
-    msg = torch.zeros(_HEADER + _INLINE, dtype=torch.int64)
+    channel = None
     try:
         dist.barrier(group=tp.group)  # rank 0 has built its TensorParallelRunner (loading skew is not an outage)
+        channel = open_control(tp.rank, tp.world_size, tp.control, None, tp.control_timeout_s)
         with torch.inference_mode():
             while True:
-                dist.broadcast(msg, src=0, group=tp.control)
-                op, B, T, logits_from, a, b = msg[:_HEADER].tolist()
+                (op, B, T, logits_from, a, b), payload = channel.recv()
                 if op == _STOP:
                     return
                 if op == _ALLOCATE:
@@ -577,18 +576,16 @@ def follow(runner: Any, tp: TPContext) -> None:
                 elif op == _WARMUP:
                     warmup(runner, a, b or None)
                 elif op == _FORWARD:
-                    n = B * T + 2 * B
-                    if n <= _INLINE:
-                        payload = msg[_HEADER:_HEADER + n].clone()
-                    else:
-                        payload = torch.empty(n, dtype=torch.int64)
-                        dist.broadcast(payload, src=0, group=tp.control)
-                    tokens = payload[: B * T].view(B, T)
-                    runner.forward(tokens, payload[B * T: B * T + B], payload[B * T + B:], logits_from)
+                    assert payload is not None and payload.numel() == B * T + 2 * B, "a forward's inputs are missing"
+                    runner.forward(payload[: B * T].view(B, T), payload[B * T: B * T + B], payload[B * T + B:],
+                                   logits_from)
                 elif op != _NOOP:  # a leader of another version: fail now rather than fall out of step later
                     raise TensorParallelError(f"unknown control message {op}")
     except Exception as err:  # noqa: BLE001
         raise TensorParallelError(f"rank {tp.rank}: tensor-parallel group lost: {err}") from err
+    finally:
+        if channel is not None:
+            channel.close()
 
 
 # ----------------------------------------------------------------------------------------------------
