@@ -246,7 +246,7 @@ def bench_rank(rank: int, world: int, init_method: str, shape: str, args: argpar
                         f"{row.get('replay_ms', float('nan')):.3f}, floor {row['floor_ms'] or float('nan'):.3f}, "
                         f"eager {row.get('eager_ms', float('nan')):.2f})")
 
-        for ci, control in enumerate(args.control.split(",") if world > 1 else []):
+        for ci, control in enumerate(args.control.split(",") if world > 1 and args.control != "none" else []):
             # driven steps: rank 0 sends each call over its control channel, the others follow
             if rank == 0:
                 kind, spin_ms = parse_control(control)
@@ -458,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--linear", default="auto", help="GraphConfig.linear: auto (tuned Triton/cuBLAS), torch, triton")
     p.add_argument("--control", default="auto",
                    help="driven steps' control channel(s), comma-separated: auto, socket, gloo (tp_control), each "
-                        "with an optional :MS, the followers' poll window (socket:0 blocks at once)")
+                        "with an optional :MS, the followers' poll window (socket:0 blocks at once); none: no driven "
+                        "steps")
     p.add_argument("--no-fp32-ref", action="store_true", help="skip the float32 TP=1 logits (needs 4 bytes/param)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="per (shape, N) launch")
     args = p.parse_args(argv)
