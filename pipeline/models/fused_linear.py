@@ -74,7 +74,8 @@ LATE_TRIGGER = os.environ.get("SPECSERVE_PDL_TRIGGER", "late") == "late"
 # Load each program's first K tile of the weight before the PDL wait (weights are never written by a kernel), so
 # its HBM latency overlaps the previous kernel's tail instead of following the wait: "auto" for float8 weights only,
 # "on", "off". H100, batch-1 steps (BENCHMARKS.md issue 5, Update 9): float8 1B 1-2% faster at T=1 (the 8B-sized
-# 0.7% slower) and 3-6% faster at T=5; bf16 1-2% slower at T=1 and mixed at T=5.
+# 0.7% slower) and 3-6% faster at T=5; bf16 1-2% slower at T=1 and mixed at T=5, and at TP=4 (where a linear waits
+# longer, for the sum) 0.7% slower at T=1 and 3.9% at T=5 on H200s (issue 6, Update 7).
 PRELOAD = os.environ.get("SPECSERVE_PDL_PRELOAD", "auto")
 if PRELOAD not in ("auto", "on", "off"):
     raise ValueError(f"SPECSERVE_PDL_PRELOAD must be auto, on or off, got {PRELOAD!r}")
