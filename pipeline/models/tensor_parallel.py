@@ -497,6 +497,7 @@ class TensorParallelRunner:
         tokens, positions, slots = (t.to("cpu", torch.int64) for t in (tokens, positions, slots))
         assert tokens.dim() == 2, f"tokens must be [B, T], got {tuple(tokens.shape)}"
         B, T = tokens.shape
+        assert B >= 1, "a call needs at least one row"
         assert positions.shape == (B,) and slots.shape == (B,), (
             f"positions {tuple(positions.shape)} and slots {tuple(slots.shape)} must be [B={B}]")
         assert 0 <= logits_from < T, f"logits_from must be in [0, {T}), got {logits_from}"
