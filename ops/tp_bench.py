@@ -56,11 +56,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline.models.base import ModelInfo  # noqa: E402
 from pipeline.models.kernel_timing import copy_GBps  # noqa: E402
 from pipeline.models.llama import LlamaArgs, LlamaCausalLM, Transformer  # noqa: E402
-from pipeline.models.tp_control import parse_control  # noqa: E402
 from pipeline.models.tensor_parallel import (  # noqa: E402
     Slice, TensorParallelRunner, build_sharded_transformer, follow, init_tensor_parallel, make_plan,
     num_parameters, sharded_runner, tensor_parallel_graphs,
 )
+from pipeline.models.tp_control import parse_control  # noqa: E402
 
 _COMMON = dict(norm_eps=1e-5, rope_theta=500000.0, rope_scaling=None, qkv_bias=False, o_bias=False, mlp_bias=False,
                sliding_window=None, max_position_embeddings=8192, tie_embeddings=False)
