@@ -99,3 +99,18 @@ def test_an_unknown_channel_is_refused():
         parse_control("shm")
     assert parse_control("socket:2.5") == ("socket", 2.5) and parse_control("gloo") == ("gloo", None)
 
+
+
+def test_the_control_channel_benchmark_runs_and_prints_its_table(tmp_path):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "ops/tp_control_bench.py", "--ranks", "2", "--messages", "20",
+                          "--gap-ms", "1", "--json", str(tmp_path / "c.json")],
+                         cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "c.json").read_text())
+    assert [r["channel"] for r in rows] == ["socket:0", "socket:20", "gloo"]
+    assert all(0 < r["median_us"] <= r["p90_us"] <= r["max_us"] for r in rows)
+    assert "| 2 | gloo |" in out.stdout
