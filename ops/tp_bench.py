@@ -19,7 +19,9 @@ seed and keeps its slice, so TP=N is the same model as TP=1; past `--exact-init-
 slices, which is as good for timing), wrap them in the static-shape graph runner (CUDA graphs with the
 collectives captured inside), prefill `--context` tokens per row, and time one step of B rows x T tokens
 (T = 1 decode, T = K+1 verify), all ranks in lockstep (SPMD). TP=1 is the plain unsharded runner.
-Also timed: the eager runner (B=1, T=1), and "driven" steps, the way a serving replica runs them: rank 0's
+Also timed: the eager runner (B=1, T=1); "synced" steps (B=1), each waited for before the next as a serving
+step is (every rank in lockstep), which shows the host work a back-to-back step hides; and "driven" steps, the
+way a serving replica runs them: rank 0's
 `TensorParallelRunner` sends each call's inputs over its control channel and the other ranks `follow()`.
 `--control socket,gloo` times each channel (`pipeline.models.tp_control`) in the same processes; the table's
 driven column shows the first.
@@ -237,6 +239,14 @@ def bench_rank(rank: int, world: int, init_method: str, shape: str, args: argpar
                     row["replay_ms"] = time_fn(entry.graph.replay, cuda, iters=args.iters)["median_ms"]
                 if B == 1 and T == 1 and vi == 0:
                     row["eager_ms"] = time_fn(lambda: runner.forward(tokens, positions, slots), cuda, iters=10)["median_ms"]
+                if B == 1:  # each step waited for, as a serving step is: the host work it exposes
+
+                    def synced() -> None:
+                        fast.forward(tokens, positions, slots)
+                        if cuda:
+                            torch.cuda.synchronize()
+
+                    row["synced_ms"] = time_fn(synced, cuda=False, iters=args.iters)["median_ms"]
                 kv = B * (args.context + T) * kv_per_token + B * T * kv_per_token
                 row["floor_ms"] = (weights + kv) / (rec["copy_GBps"] * 1e9) * 1e3 if cuda else None
                 rec["rows"].append(row)
@@ -374,15 +384,17 @@ def table(out: Path) -> str:
     any_rec = next(iter(recs.values()))
     lines = [f"card: {any_rec['card']}; torch {any_rec['torch']}; copy bandwidth per card "
              f"{f(any_rec['copy_GBps'], 0)} GB/s",
-             "| model | TP | all-reduce | B | T | step ms | x TP=1 | floor ms | x floor | replay ms | driven ms | eager ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | TP | all-reduce | B | T | step ms | x TP=1 | floor ms | x floor | replay ms | synced ms | driven ms "
+             "| eager ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (shape, tp), rec in sorted(recs.items(), key=lambda kv: (list(SHAPES).index(kv[0][0]), kv[0][1])):
         for r in rec["rows"]:
             base = _row(recs, shape, 1, r["B"], r["T"])
             rel = r["ms"] / base["ms"] if base else None
             xf = r["ms"] / r["floor_ms"] if r.get("floor_ms") else None
             lines.append(f"| {shape} | {tp} | {r.get('allreduce', '-')} | {r['B']} | {r['T']} | {f(r['ms'])} | {f(rel, 2)} | {f(r.get('floor_ms'))} |"
-                         f" {f(xf, 2)} | {f(r.get('replay_ms'))} | {f(r.get('driven_ms'))} | {f(r.get('eager_ms'), 2)} |")
+                         f" {f(xf, 2)} | {f(r.get('replay_ms'))} | {f(r.get('synced_ms'))} | {f(r.get('driven_ms'))} |"
+                         f" {f(r.get('eager_ms'), 2)} |")
     lines.append("")
     lines += [f"- {c['check']}: {f(c['value'])} (target {c['target']}): {c['state']}" for c in checks(out, recs)]
     return "\n".join(lines)

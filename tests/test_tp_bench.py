@@ -24,6 +24,7 @@ def test_tp_bench_smoke_on_cpu(tmp_path):
 
     rows = json.loads((tmp_path / "tp_bench_tiny_tp2.json").read_text())["rows"]
     assert all(r["driven_socket_ms"] > 0 and r["driven_gloo_ms"] > 0 for r in rows)  # both channels drove steps
+    assert all(r["synced_ms"] > 0 for r in rows)
     sys.path.insert(0, str(ROOT / "ops"))
     import tp_bench
 
