@@ -93,8 +93,9 @@ class SocketChannel:
     def __init__(self, conns: list[socket.socket], spin_ms: float = 0.0) -> None:
         self.conns = conns
         self.spin_s = spin_ms / 1e3
-        self._poll = select.poll()
-        self._poll.register(conns[0], select.POLLIN)
+        self._poll = select.poll() if self.spin_s else None  # a follower's, while it polls
+        if self._poll is not None:
+            self._poll.register(conns[0], select.POLLIN)
 
     def send(self, header: list[int], payload: Sequence[int] = ()) -> None:
         frame = struct.pack(f"<{1 + HEADER + len(payload)}q", len(payload), *header, *payload)  # no torch op
@@ -106,18 +107,8 @@ class SocketChannel:
             deadline = time.perf_counter() + self.spin_s
             while not self._poll.poll(0) and time.perf_counter() < deadline:
                 pass
-        n, *header = _FRAME.unpack(self._read(_FRAME.size))
-        return header, (torch.frombuffer(self._read(8 * n), dtype=torch.int64) if n else None)
-
-    def _read(self, size: int) -> bytearray:
-        buf = bytearray(size)
-        view, got = memoryview(buf), 0
-        while got < size:
-            k = self.conns[0].recv_into(view[got:], size - got)  # socket.timeout (TimeoutError) past the timeout
-            if k == 0:
-                raise ConnectionError("rank 0 closed the control connection")
-            got += k
-        return buf
+        n, *header = _FRAME.unpack(_read_exact(self.conns[0], _FRAME.size))
+        return header, (torch.frombuffer(_read_exact(self.conns[0], 8 * n), dtype=torch.int64) if n else None)
 
     def close(self) -> None:
         for c in self.conns:
@@ -170,7 +161,8 @@ def open_control(rank: int, world_size: int, group: Any, kind: Optional[str] = N
         if conn is not None:
             conn.close()
         if kind == "socket":
-            raise RuntimeError(f"the socket control channel could not be set up on every rank{': ' + why if why else ''}")
+            raise RuntimeError("the socket control channel could not be set up on every rank"
+                               + (f": {why}" if why else ""))
         return GlooChannel(group)
     if rank != 0:
         return SocketChannel([conn], spin_ms)
@@ -180,7 +172,7 @@ def open_control(rank: int, world_size: int, group: Any, kind: Optional[str] = N
         for _ in range(world_size - 1):  # every follower connected before the all_reduce: they wait in the backlog
             c, _addr = listener.accept()
             c.settimeout(timeout_s)  # also bounds a send to a follower that stopped reading (a dead one: EPIPE)
-            (r,) = struct.unpack("<q", _recv_exact(c, 8))
+            (r,) = struct.unpack("<q", _read_exact(c, 8))
             c.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
             by_rank[r] = c
     finally:
@@ -188,11 +180,13 @@ def open_control(rank: int, world_size: int, group: Any, kind: Optional[str] = N
     return SocketChannel([by_rank[r] for r in sorted(by_rank)])
 
 
-def _recv_exact(c: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = c.recv(size - len(data))
-        if not chunk:
-            raise ConnectionError("a follower closed its control connection during setup")
-        data += chunk
-    return data
+def _read_exact(conn: socket.socket, size: int) -> bytearray:
+    """`size` bytes from `conn`; socket.timeout (TimeoutError) past its timeout, ConnectionError if the peer left."""
+    buf = bytearray(size)
+    view, got = memoryview(buf), 0
+    while got < size:
+        k = conn.recv_into(view[got:], size - got)
+        if k == 0:
+            raise ConnectionError("the other end closed the control connection")
+        got += k
+    return buf
