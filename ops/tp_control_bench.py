@@ -6,7 +6,7 @@
 
 N processes (spawned, one gloo group) open each channel as a serving replica does (a GPU group's socket
 channel polls for up to 20 ms before it blocks: `socket:20`). Rank 0 then sends a
-decode step's message (header + one token, position and slot) every `--gap-ms`, the followers blocked in
+decode step's message (header + one token, position and slot) every `--gap-ms`, the followers waiting in
 `recv` as they are between steps, and stamps its send time (CLOCK_MONOTONIC, one clock for every process of
 the host) into the payload. Each follower records receive - send. A step waits for its slowest follower, so the
 table reports, per message, the latest follower's latency: median and p90, in microseconds.
