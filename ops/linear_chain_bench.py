@@ -3,6 +3,7 @@
     python3 ops/linear_chain_bench.py --out $OUT                      # 8b, 1b, 8b-tp2 per-rank shapes, M = 1, 5
     python3 ops/linear_chain_bench.py --sets 1b --rows 1 --variants late,eager
     python3 ops/linear_chain_bench.py --sets 8b-tp2 --configs        # also every candidate configuration
+    SPECSERVE_GEMV=off python3 ops/linear_chain_bench.py --sets 1b,8b --rows 1 --weights bf16,fp8   # tensor cores
 
 A batch-1 step is a chain of small kernels; each pays its bytes over bandwidth plus a fixed cost (launch, the
 first loads in flight, the last wave's tail). This script times the chain without attention or RoPE, so the
@@ -21,6 +22,9 @@ L2, so every layer streams from memory).
 Variants (`--variants`): "late" (the RMSNorm prologue multiplies x by the norm weight in the K loop, and the sums
 by each row's 1/rms after it), "eager" (x * 1/rms rounded, then times the weight, rounded, in the loop: the eager
 roundings), "nopdl" (late, launched without PDL), "nonorm" (no RMSNorm prologue at all: what the norm costs).
+`--weights fp8` times the same layers with float8 weights and row scales (a drafter's, `GraphConfig(weights="fp8")`;
+the set is named "<set>-fp8"). One-row calls take the CUDA-core product unless `SPECSERVE_GEMV=off`
+(`fused_linear.GEMV`).
 floor = weight bytes / copy bandwidth of the card (`kernel_timing.copy_GBps`: a 4 GiB device-to-device
 copy, bytes read + written over time).
 """
@@ -64,9 +68,9 @@ def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
 
 
 class Layers:
-    """`n` layers of random weights of one set's per-rank shapes."""
+    """`n` layers of random weights of one set's per-rank shapes (`fp8`: float8 with row scales, as a drafter's)."""
 
-    def __init__(self, name: str, n: int):
+    def __init__(self, name: str, n: int, fp8: bool = False):
         D, Q, KV, I = SETS[name]
         self.D, self.Q, self.I = D, Q, I
         self.qkv = [rand(Q + KV, D, scale=D ** -0.5) for _ in range(n)]
@@ -75,6 +79,12 @@ class Layers:
         self.down = [rand(D, I, scale=I ** -0.5) for _ in range(n)]
         self.n1 = [1 + 0.05 * rand(D) for _ in range(n)]
         self.n2 = [1 + 0.05 * rand(D) for _ in range(n)]
+        self.scales: dict[int, torch.Tensor] = {}  # id(weight) -> its float8 row scales
+        if fp8:
+            for ws in (self.qkv, self.o, self.gu, self.down):
+                for i, w in enumerate(ws):
+                    ws[i], scale = fl.quantize_fp8(w)
+                    self.scales[id(ws[i])] = scale
 
     def bytes(self, kind: str) -> int:
         per = {"qkv": self.qkv[0], "o": self.o[0], "gate_up": self.gu[0], "down": self.down[0]}
@@ -89,18 +99,22 @@ class Layers:
         h = torch.empty(M, self.I, dtype=torch.bfloat16, device="cuda")
         q = qkv[:, : self.Q]
 
+        sc = self.scales.get
+
         def run() -> None:
             for i in range(len(self.qkv)):
                 if kind in ("layer", "qkv"):
                     fl.fused_linear(x, self.qkv[i], norm_w=self.n1[i] if norm else None, out=qkv, use_pdl=use_pdl,
-                                    config=config)
+                                    config=config, w_scale=sc(id(self.qkv[i])))
                 if kind in ("layer", "o"):
-                    fl.fused_linear(q, self.o[i], residual=x, out=x, use_pdl=use_pdl, config=config)
+                    fl.fused_linear(q, self.o[i], residual=x, out=x, use_pdl=use_pdl, config=config,
+                                    w_scale=sc(id(self.o[i])))
                 if kind in ("layer", "gate_up"):
                     fl.fused_linear(x, self.gu[i], norm_w=self.n2[i] if norm else None, gate=True, out=h,
-                                    use_pdl=use_pdl, config=config)
+                                    use_pdl=use_pdl, config=config, w_scale=sc(id(self.gu[i])))
                 if kind in ("layer", "down"):
-                    fl.fused_linear(h, self.down[i], residual=x, out=x, use_pdl=use_pdl, config=config)
+                    fl.fused_linear(h, self.down[i], residual=x, out=x, use_pdl=use_pdl, config=config,
+                                    w_scale=sc(id(self.down[i])))
 
         return run
 
@@ -134,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--configs", action="store_true", help="also time every candidate configuration per kernel")
+    p.add_argument("--weights", default="bf16", help="bf16, fp8 (float8 e4m3 with row scales, a drafter's), or both")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     variants = [v for v in a.variants.split(",") if v]
@@ -151,8 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     have_pdl = pdl.enabled(dev)
     log(f"card: {card}; copy bandwidth {bw:.0f} GB/s; PDL {'on' if have_pdl else 'unavailable'}")
     rows_out, configs = [], []
-    for s in a.sets.split(","):
-        layers = Layers(s, a.layers)
+    if any(w not in ("bf16", "fp8") for w in a.weights.split(",")):
+        print(f"linear_chain_bench: --weights takes bf16 and fp8, got {a.weights!r}", file=sys.stderr)
+        return 2
+    for s, wk in ((s, wk) for s in a.sets.split(",") for wk in a.weights.split(",")):
+        layers = Layers(s, a.layers, fp8=wk == "fp8")
+        s = s if wk == "bf16" else f"{s}-fp8"
         for M in (int(m) for m in a.rows.split(",")):
             for kind in a.kinds.split(","):
                 floor_us = layers.bytes(kind) / bw / 1e3
@@ -171,9 +190,14 @@ def main(argv: list[str] | None = None) -> int:
                 for kind in ("qkv", "o", "gate_up", "down"):
                     w = {"qkv": layers.qkv, "o": layers.o, "gate_up": layers.gu, "down": layers.down}[kind][0]
                     N, K = w.shape[0] // (2 if kind == "gate_up" else 1), w.shape[1]
-                    cands = fl.candidates(M, N, K, sms, kind == "gate_up") + [
-                        fl.FusedConfig(bn, bk, nw, ns) for bn in (16, 32) for bk in (64, 128) for nw in (4, 8)
-                        for ns in (3, 4)]
+                    item, gate = w.element_size(), kind == "gate_up"
+                    if fl.gemv(M):  # the one-row CUDA-core product: its own candidates
+                        cands = fl.gemv_candidates(N, K, sms, gate)
+                    else:
+                        cands = fl.candidates(M, N, K, sms, gate, item) + [
+                            fl.FusedConfig(bn, bk, nw, ns) for bn in (16, 32)
+                            for bk in ((64, 128) if item == 2 else (256, 512, 1024)) for nw in (4, 8) for ns in (3, 4)
+                            if K % bk == 0]
                     for c in dict.fromkeys(cands):
                         try:
                             us = captured_ms(layers.chain(kind, M, have_pdl, True, c), reps=20) * 1e3 / a.layers
@@ -183,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                         configs.append({"set": s, "M": M, "kind": kind, "config": str(c), "us": us,
                                         "floor_us": layers.bytes(kind) / bw / 1e3})
                         log(f"config {s:7s} M={M:2d} {kind:8s} {c.block_n:3d}x{c.block_k:<3d} w{c.num_warps} "
-                            f"s{c.num_stages}  {us:8.1f} us  x{us / configs[-1]['floor_us']:.2f}")
+                            f"s{c.num_stages} a{c.ahead}  {us:8.1f} us  x{us / configs[-1]['floor_us']:.2f}")
         del layers
         torch.cuda.empty_cache()
     log("tuned choices: " + json.dumps(fl.chosen()))
@@ -197,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                        for b, t in r["points_bytes_us"]))
     log("\n| set | M | kind | " + " | ".join(f"{v} us (x floor)" for v in variants) + " | floor us |")
     log("|---|---|---|" + "---|" * (len(variants) + 1))
-    keys = sorted({(r["set"], r["M"], r["kind"]) for r in rows_out}, key=lambda k: (list(SETS).index(k[0]), k[1],
-                                                                                  KINDS.index(k[2])))
+    keys = sorted({(r["set"], r["M"], r["kind"]) for r in rows_out},
+                  key=lambda k: (list(SETS).index(k[0].removesuffix("-fp8")), k[0], k[1], KINDS.index(k[2])))
     for key in keys:
         rs = {r["variant"]: r for r in rows_out if (r["set"], r["M"], r["kind"]) == key}
         log(f"| {key[0]} | {key[1]} | {key[2]} | " + " | ".join(

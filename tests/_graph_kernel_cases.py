@@ -43,6 +43,7 @@ FUSED_CASES = [
     ("fused-fp8-heads-residual-T3", "fp8-heads", 6, 24, 96, False),
 ]
 PRELOAD_CASES = ["fused-preload-bit-identical"]
+GEMV_CASES = ["fused-gemv-one-row"]
 FUSED_GRAPH_CASES = ["graph-fused-layer-bf16", "graph-fused-layer-bias-window-bf16", "graph-fused-layer-fp8"]
 # (id, ranks, rows): the tensor-parallel fused all-reduce (pipeline.models.tp_fused), ranks simulated in one process
 TP_FUSED_CASES = [("tp-fused-2-ranks", 2, 1), ("tp-fused-3-ranks-5-rows", 3, 5)]
@@ -120,6 +121,40 @@ def preload_case(torch, fl) -> dict:
     return {"err": worst, "tol": 0.0, "ok": runs == 8}
 
 
+def gemv_case(torch, fl) -> dict:
+    """One-row calls on the CUDA cores (`fused_linear.GEMV`), in every mode (ragged K, bias, float8; K spanning
+    several 32-deep tiles, so the tiles loaded ahead are exercised): against the eager math within its mode's
+    tolerance, against the tensor-core path within float32 summation order, and the same bits with the first tile
+    loaded before the wait (PRELOAD) and with two tiles ahead instead of one."""
+    worst, vs_tc, runs = 0.0, 0.0, 0
+    saved = fl.GEMV, fl.PRELOAD, fl.gemv_default
+    try:
+        for mode, N, K, bias in (("norm", 40, 96, False), ("norm", 33, 100, True), ("norm-eager", 40, 96, False),
+                                 ("gate", 24, 128, True), ("residual", 48, 64, False), ("heads", 40, 96, True),
+                                 ("logits", 130, 64, False), ("fp8-gate", 40, 128, True), ("fp8-heads", 24, 96, False)):
+            outs = {}
+            for gemv, preload, ahead in (("on", "off", 1), ("on", "on", 1), ("on", "off", 2), ("on", "on", 2),
+                                         ("off", "off", 1)):
+                fl.GEMV, fl.PRELOAD = gemv, preload
+                fl.gemv_default = lambda N, K, sms, a=ahead: fl.FusedConfig(16, 32, 4, 1, a)  # 2-4 K tiles of 32
+                fl._choices.clear()
+                outs[gemv, preload, ahead], want = _fused_run(torch, fl, mode, 1, N, K, bias)
+            got = outs["on", "off", 1].float()
+            tol = 3e-2 if mode == "fp8-gate" else TOL["bfloat16"]
+            err = float((got - want.float()).abs().max() / want.float().abs().max())
+            assert err <= tol, (mode, N, K, err)
+            for key in (("on", "on", 1), ("on", "off", 2), ("on", "on", 2)):  # the same products in the same order
+                assert torch.equal(outs["on", "off", 1], outs[key]), (mode, key, "changed the bits")
+            worst = max(worst, err)
+            vs_tc = max(vs_tc, float((got - outs["off", "off", 1].float()).abs().max() / want.float().abs().max()))
+            runs += 1
+    finally:
+        fl.GEMV, fl.PRELOAD, fl.gemv_default = saved
+        fl._choices.clear()
+    # against the tensor cores: within one bf16 ulp of the largest output
+    return {"err": worst, "tol": TOL["bfloat16"], "vs_tensor_cores": vs_tc, "ok": runs == 9 and vs_tc <= 5e-3}
+
+
 def _fused_run(torch, fl, mode, M, N, K, bias):
     """(fused_linear's output, the eager math's) for one mode, on inputs seeded by the shape."""
     import torch.nn.functional as F
@@ -151,7 +186,7 @@ def _fused_run(torch, fl, mode, M, N, K, bias):
         fl.fused_linear(x, w, b, residual=got, out=got)  # in place, as the layer does
         want = res + F.linear(x, w, b)
     elif mode == "heads":  # attention output [B, Hkv, G*T, D] read as [B*T, H*D]
-        B, T, Hkv, D = 2, 3, 2, 16
+        B, T, Hkv, D = (1, 1, 2, 16) if M == 1 else (2, 3, 2, 16)
         y = torch.randn(B, Hkv, K // (Hkv * D) * T, D, generator=g).to(bf)
         res = torch.randn(B * T, N, generator=g).to(bf)
         got = fl.fused_linear_heads(y, T, w, b, residual=res)
@@ -166,7 +201,7 @@ def _fused_run(torch, fl, mode, M, N, K, bias):
             gate, up = F.linear(rms_norm(x, nw, 1e-5).float(), wd, b32).chunk(2, dim=-1)
             want = F.silu(gate) * up
         else:
-            B, T, Hkv, D = 2, 3, 2, 16
+            B, T, Hkv, D = (1, 1, 2, 16) if M == 1 else (2, 3, 2, 16)
             y = torch.randn(B, Hkv, K // (Hkv * D) * T, D, generator=g).to(bf)
             res = torch.randn(B * T, N, generator=g).to(bf)
             got = fl.fused_linear_heads(y, T, w8, b, residual=res, w_scale=scale)
@@ -330,6 +365,7 @@ def main() -> int:
     runs += [(c, lambda: graph_case(torch)) for c in GRAPH_CASES]
     runs += [(c[0], lambda c=c: fused_case(torch, fl, *c[1:])) for c in FUSED_CASES]
     runs += [(c, lambda: preload_case(torch, fl)) for c in PRELOAD_CASES]
+    runs += [(c, lambda: gemv_case(torch, fl)) for c in GEMV_CASES]
     runs += [(c, lambda c=c: fused_graph_case(torch, c)) for c in FUSED_GRAPH_CASES]
     runs += [(c[0], lambda c=c: tp_fused_case(torch, fl, *c[1:])) for c in TP_FUSED_CASES]
     for case_id, fn in runs:

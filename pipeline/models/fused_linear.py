@@ -39,10 +39,17 @@ Tensor parallel (`push=`, `pipeline.models.tp_fused`): a row-parallel linear sen
 rank's symmetric-memory buffer from its epilogue instead of writing `out`, and signals each 16 columns it wrote
 on every rank.
 
+One-row calls (`GEMV`, on by default): a batch-1 decode or draft step multiplies one row, which the tensor-core
+tile pads to 16. Instead each program multiplies on the CUDA cores into [BLOCK_K, BLOCK_N] float32 partial sums
+(reduced once, after the loop), loading the weight tile `ahead` steps on and x's next tile before each step's
+products. This matters most for float8 weights: widened for a tensor-core product they streamed no faster than
+bf16 at a 1B's sizes (H100: a layer's four linears 59.8 us either way; on the CUDA cores 41.8 in float8, 51.5 in
+bf16; the 8B's 157.9 -> 156.3). Calls of 2 or more rows keep the tensor cores.
+
 Configuration: one program owns BLOCK_N output columns over the whole depth (no split-K: the epilogue needs
 the finished sum). `config_for` times a few (BLOCK_N, BLOCK_K) candidates once per shape on CUDA during the
 graph warm-up, as a captured chain of launches over distinct copies of the weight (`kernel_timing`: the way
-a step runs them); elsewhere it takes `default_config`.
+a step runs them); elsewhere it takes `default_config` (`gemv_candidates` and `gemv_default` for one-row calls).
 """
 
 from __future__ import annotations
@@ -79,6 +86,19 @@ LATE_TRIGGER = os.environ.get("SPECSERVE_PDL_TRIGGER", "late") == "late"
 PRELOAD = os.environ.get("SPECSERVE_PDL_PRELOAD", "auto")
 if PRELOAD not in ("auto", "on", "off"):
     raise ValueError(f"SPECSERVE_PDL_PRELOAD must be auto, on or off, got {PRELOAD!r}")
+# One-row calls (a batch-1 decode or draft step): the product on the CUDA cores ("on", see the module doc) instead
+# of a tensor-core tile padded to 16 rows ("off"). Measured on H100s in BENCHMARKS.md (issue 5 Update 11, issue 6
+# Update 8).
+GEMV = os.environ.get("SPECSERVE_GEMV", "on")
+if GEMV not in ("on", "off"):
+    raise ValueError(f"SPECSERVE_GEMV must be on or off, got {GEMV!r}")
+
+
+def gemv(M: int) -> bool:
+    """Whether a call of M rows takes the CUDA-core product (`GEMV`)."""
+    return M == 1 and GEMV == "on"
+
+
 # The RMSNorm prologue: "late" multiplies the sums by each row's 1/rms after the K loop (the loop only multiplies x
 # by the norm weight); "eager" rounds x * 1/rms and then the product with the weight, as `graphs.rms_norm` does.
 NORM_LATE = os.environ.get("SPECSERVE_NORM", "late") == "late"
@@ -93,6 +113,7 @@ class FusedConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    ahead: int = 1  # one-row calls (`gemv`): weight tiles loaded ahead of the one multiplied (1 or 2)
 
 
 def m_pad(M: int) -> int:
@@ -133,6 +154,27 @@ def candidates(M: int, N: int, K: int, sm_count: int, gate: bool = False, itemsi
         for block_k in sorted(block_ks):
             out.append(FusedConfig(block_n, block_k, 4, _stages(M, block_n, block_k, gate, itemsize)))
     return out
+
+
+def gemv_candidates(N: int, K: int, sm_count: int, gate: bool = False) -> list[FusedConfig]:
+    """One-row (`gemv`) configurations: at most 64 float32 partial sums a thread (half that with gate/up's two),
+    4 or 8 warps, enough programs to cover the multiprocessors where the columns allow."""
+    out = []
+    for warps in (4, 8):
+        budget = (64 if not gate else 32) * 32 * warps  # partial sums a program
+        for block_n in (16, 32, 64):
+            if block_n > 16 and -(-N // block_n) < sm_count // 2:
+                continue
+            for block_k in (64, 128, 256, 512, 1024):
+                if block_n * block_k <= budget and block_k <= max(64, _pow2(K)):
+                    out += [FusedConfig(block_n, block_k, warps, 1, ahead) for ahead in (1, 2)]
+    return out
+
+
+def gemv_default(N: int, K: int, sm_count: int) -> FusedConfig:
+    """16 columns, 512 deep (at most K rounded up to a power of two), 8 warps, one tile ahead: what the chain
+    timings chose for most of the 1B's one-row linears on an H100 (the tuner times `gemv_candidates` on CUDA)."""
+    return FusedConfig(16, 512 if K >= 512 else max(64, _pow2(K)), 8, 1, 1)
 
 
 def _prefetch_plan(w: torch.Tensor, rows: int, K: int, block_n: int, num_warps: int) -> tuple[int, int, int]:
@@ -220,6 +262,7 @@ def _launch(x: torch.Tensor, M: int, K: int, row: tuple[int, int, int], col: tup
         EVEN_K=K % c.block_k == 0,
         NORM_LATE=NORM_LATE, R_PAD=_pow2(M), NORM_CHUNK=max(16, min(_pow2(K), 8192 // _pow2(M))),
         USE_PDL=use_pdl, PREFETCH=pf > 0, PF_CHUNKS=chunks, LATE_TRIGGER=LATE_TRIGGER, PRELOAD=preload,
+        GEMV=gemv(M), AHEAD=c.ahead,
         DOT_IN_F32=kern.interpreted() and x.dtype == torch.bfloat16,
         PUSH=push is not None, N_RANKS=n_ranks, UNITS=c.block_n // UNIT, RANKS_POW2=_pow2(n_ranks),
         num_warps=c.num_warps, num_stages=c.num_stages, **launch_kwargs(use_pdl),
@@ -280,20 +323,22 @@ def config_for(x: torch.Tensor, M: int, N: int, K: int, w: torch.Tensor, bias, n
     """The configuration of this shape: timed once on CUDA (outside a graph capture) the way the graph path runs
     it (`kernel_timing.chain_ms`), else the default."""
     key = (m_pad(M), N, K, w.dtype, gate, norm_w is not None, residual is not None, bias is not None, x.device,
-           norm_w is not None and NORM_LATE, PRELOAD)  # PRELOAD: the setting (its effect depends on w's dtype)
+           norm_w is not None and NORM_LATE, PRELOAD,  # PRELOAD: the setting (its effect depends on w's dtype)
+           gemv(M))
     got = _choices.get(key)
     if got is not None:
         return got
     sms = _sm_count(x.device)
     if x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return _choices.setdefault(key, default_config(M, N, K, sms, gate, w.element_size()))
+        return _choices.setdefault(key, gemv_default(N, K, sms) if key[-1] else
+                                   default_config(M, N, K, sms, gate, w.element_size()))
     from pipeline.models.kernel_timing import chain_ms, weight_copies
 
     xs = torch.randn(M, K, dtype=x.dtype, device=x.device)
     out = torch.zeros(M, N, dtype=x.dtype, device=x.device)
     ws = weight_copies(w)
     best, best_ms = None, float("inf")
-    for c in candidates(M, N, K, sms, gate, w.element_size()):
+    for c in (gemv_candidates(N, K, sms, gate) if key[-1] else candidates(M, N, K, sms, gate, w.element_size())):
         try:
             ms = chain_ms(lambda wi: fused_linear(
                 xs, wi, bias, norm_w=norm_w, gate=gate, residual=out if residual is not None else None,
@@ -303,12 +348,13 @@ def config_for(x: torch.Tensor, M: int, N: int, K: int, w: torch.Tensor, bias, n
             continue
         if ms < best_ms:
             best, best_ms = c, ms
-    return _choices.setdefault(key, best or default_config(M, N, K, sms, gate, w.element_size()))
+    return _choices.setdefault(key, best or (gemv_default(N, K, sms) if key[-1] else
+                                             default_config(M, N, K, sms, gate, w.element_size())))
 
 
 def chosen() -> dict[str, str]:
     """What was chosen per shape so far, for benchmark reports."""
     return {f"Mpad{k[0]} N{k[1]} K{k[2]} {str(k[3]).removeprefix('torch.')}{' gate' if k[4] else ''}"
-            f"{' norm' if k[5] else ''}{' late' if k[9] else ''}{' res' if k[6] else ''}":
-            f"{c.block_n}x{c.block_k}/w{c.num_warps}/s{c.num_stages}"
+            f"{' norm' if k[5] else ''}{' late' if k[9] else ''}{' res' if k[6] else ''}{' gemv' if k[-1] else ''}":
+            f"{c.block_n}x{c.block_k}/w{c.num_warps}/s{c.num_stages}{f'/ahead{c.ahead}' if k[-1] else ''}"
             for k, c in _choices.items()}

@@ -30,6 +30,11 @@ per BLOCK_N output columns over the whole depth K (no split, so the epilogue see
   half: it waits for the counters of its columns and adds the ranks' partials to the residual stream in rank
   order.
 
+GEMV (one row, `fused_linear.GEMV`): no tensor-core tile. Each program multiplies x's row by its weight tiles on the
+CUDA cores into [BLOCK_K, BLOCK_N] float32 partial sums and reduces them once after the loop; the weight tile AHEAD
+steps on, and x's next tile (with the norm weight's), are loaded before each step's products. The prologue and
+epilogue are the same; only the order of the float32 additions differs from the tensor-core loop.
+
 USE_PDL: programmatic dependent launch (`pipeline.models.pdl`): wait for the previous kernel before touching x,
 res or y; let the next kernel launch after the K loop (LATE_TRIGGER) or right after the wait. With PREFETCH,
 before waiting, a program asks L2 to prefetch PF_CHUNKS x PF_BYTES of each of its weight rows
@@ -134,6 +139,28 @@ def _prep_x(x, NORM_W, offs_k, K, rstd, DT: tl.constexpr, EVEN_K: tl.constexpr, 
 
 
 @triton.jit
+def _x_raw(X, NORM_W, offs_k, K, s_xj, XD: tl.constexpr, NORM: tl.constexpr):
+    """(x's first row, the norm weight) at columns offs_k as loaded, 0 past K (without NORM, x twice)."""
+    cols = (offs_k // XD) * s_xj + offs_k % XD
+    x = tl.load(X + cols, mask=offs_k < K, other=0.0)
+    nw = x
+    if NORM:
+        nw = tl.load(NORM_W + offs_k, mask=offs_k < K, other=0.0).to(x.dtype)
+    return x, nw
+
+
+@triton.jit
+def _x_prep(x, nw, r0, DT: tl.constexpr, NORM: tl.constexpr, NORM_LATE: tl.constexpr, IN_F32: tl.constexpr):
+    """`_x_raw`'s row as the product takes it (`_prep_x`'s roundings; r0: the row's 1/rms), in float32."""
+    if NORM:
+        if NORM_LATE:
+            x = _mul_rounded(x.to(DT), nw.to(DT), IN_F32)
+        else:
+            x = _mul_rounded((x.to(tl.float32) * r0).to(DT), nw.to(DT), IN_F32)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _dot_acc(acc, x, w, DT: tl.constexpr, HAS_SCALE: tl.constexpr, DOT_IN_F32: tl.constexpr):
     """acc + x @ w in float32 (float8 w widened to DT first: exact; its row scales multiply the sums later)."""
     if HAS_SCALE:
@@ -171,6 +198,8 @@ def fused_linear_kernel(
     PF_CHUNKS: tl.constexpr,  # BLOCK_N * PF_CHUNKS = the program's threads: one prefetch each, none repeated
     LATE_TRIGGER: tl.constexpr,  # with USE_PDL: let the next kernel launch after the K loop, not at the start
     PRELOAD: tl.constexpr,  # load the first K tile of the weights before the PDL wait (peeled from the loop)
+    GEMV: tl.constexpr,  # M == 1: the product on the CUDA cores, not the tensor cores
+    AHEAD: tl.constexpr,  # with GEMV: weight tiles loaded ahead of the one multiplied (1 or 2)
     DOT_IN_F32: tl.constexpr,  # interpreter + bf16 only: Triton 3.6's interpreter multiplies bf16 as raw bits
     PUSH: tl.constexpr,  # tensor parallel: the float32 result goes to every rank's partials of a site, not to Y
     N_RANKS: tl.constexpr,
@@ -211,21 +240,67 @@ def fused_linear_kernel(
         rstd = _rstd_rows(X, M, K, XT, s_xb, s_xt, s_xj, eps, XD, M_PAD, R_PAD, NORM_CHUNK)
     acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
-    if PRELOAD:  # the first K tile's weights came in before the wait; x's tile only now
-        x = _load_x(x_rows, m_ok, offs_k0, s_xj, K, XD, EVEN_K)
-        x = _prep_x(x, NORM_W, offs_k0, K, rstd, DT, EVEN_K, NORM, NORM_LATE, DOT_IN_F32)
-        acc = _dot_acc(acc, x, w0, DT, HAS_SCALE, DOT_IN_F32)
+    if GEMV:  # one row: products on the CUDA cores into [BLOCK_K, BLOCK_N] partial sums, reduced once after the
+        # loop. The weight tile AHEAD steps on and x's next tile are loaded before this step's products, so AHEAD + 1
+        # weight tiles are in flight a program and no step waits on an L2 round trip for x.
+        r0 = tl.sum(tl.where(offs_m == 0, rstd, 0.0))  # row 0's 1/rms (1 unless the eager norm)
+        part = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+        part_u = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+        if PRELOAD:
+            w = w0
+            u = u0
+        else:
+            w = _w_tile(w_rows, offs_k0, n_ok, K, EVEN_K)
+            u = w
+            if GATE:
+                u = _w_tile(u_rows, offs_k0, n_ok, K, EVEN_K)
+        w1 = w  # AHEAD == 2: the tile after w
+        u1 = u
+        if AHEAD == 2:
+            w1 = _w_tile(w_rows, offs_k0 + BLOCK_K, n_ok, K, False)
+            if GATE:
+                u1 = _w_tile(u_rows, offs_k0 + BLOCK_K, n_ok, K, False)
+        xr, nw = _x_raw(X, NORM_W, offs_k0, K, s_xj, XD, NORM)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + offs_k0
+            w_new = _w_tile(w_rows, offs_k + AHEAD * BLOCK_K, n_ok, K, False)  # 0 past K: nothing read
+            u_new = w_new
+            if GATE:
+                u_new = _w_tile(u_rows, offs_k + AHEAD * BLOCK_K, n_ok, K, False)
+            xr_next, nw_next = _x_raw(X, NORM_W, offs_k + BLOCK_K, K, s_xj, XD, NORM)
+            xv = _x_prep(xr, nw, r0, DT, NORM, NORM_LATE, DOT_IN_F32)
+            part += xv[:, None] * w.to(tl.float32)
+            if GATE:
+                part_u += xv[:, None] * u.to(tl.float32)
+            if AHEAD == 2:
+                w = w1
+                w1 = w_new
+                u = u1
+                u1 = u_new
+            else:
+                w = w_new
+                u = u_new
+            xr = xr_next
+            nw = nw_next
+        acc = tl.where(offs_m[:, None] == 0, tl.sum(part, axis=0)[None, :], 0.0)
         if GATE:
-            acc_u = _dot_acc(acc_u, x, u0, DT, HAS_SCALE, DOT_IN_F32)
-    for k0 in range(BLOCK_K * PRELOAD, K, BLOCK_K):
-        offs_k = k0 + offs_k0
-        x = _load_x(x_rows, m_ok, offs_k, s_xj, K, XD, EVEN_K)
-        w = _w_tile(w_rows, offs_k, n_ok, K, EVEN_K)  # [BLOCK_K, BLOCK_N]
-        x = _prep_x(x, NORM_W, offs_k, K, rstd, DT, EVEN_K, NORM, NORM_LATE, DOT_IN_F32)
-        acc = _dot_acc(acc, x, w, DT, HAS_SCALE, DOT_IN_F32)
-        if GATE:
-            u = _w_tile(u_rows, offs_k, n_ok, K, EVEN_K)
-            acc_u = _dot_acc(acc_u, x, u, DT, HAS_SCALE, DOT_IN_F32)
+            acc_u = tl.where(offs_m[:, None] == 0, tl.sum(part_u, axis=0)[None, :], 0.0)
+    else:
+        if PRELOAD:  # the first K tile's weights came in before the wait; x's tile only now
+            x = _load_x(x_rows, m_ok, offs_k0, s_xj, K, XD, EVEN_K)
+            x = _prep_x(x, NORM_W, offs_k0, K, rstd, DT, EVEN_K, NORM, NORM_LATE, DOT_IN_F32)
+            acc = _dot_acc(acc, x, w0, DT, HAS_SCALE, DOT_IN_F32)
+            if GATE:
+                acc_u = _dot_acc(acc_u, x, u0, DT, HAS_SCALE, DOT_IN_F32)
+        for k0 in range(BLOCK_K * PRELOAD, K, BLOCK_K):
+            offs_k = k0 + offs_k0
+            x = _load_x(x_rows, m_ok, offs_k, s_xj, K, XD, EVEN_K)
+            w = _w_tile(w_rows, offs_k, n_ok, K, EVEN_K)  # [BLOCK_K, BLOCK_N]
+            x = _prep_x(x, NORM_W, offs_k, K, rstd, DT, EVEN_K, NORM, NORM_LATE, DOT_IN_F32)
+            acc = _dot_acc(acc, x, w, DT, HAS_SCALE, DOT_IN_F32)
+            if GATE:
+                u = _w_tile(u_rows, offs_k, n_ok, K, EVEN_K)
+                acc_u = _dot_acc(acc_u, x, u, DT, HAS_SCALE, DOT_IN_F32)
 
     if USE_PDL:
         if LATE_TRIGGER:
