@@ -35,6 +35,11 @@ linear's RMSNorm prologue instead (no kernel) was slower on H200s (3.81 and 4.27
 counters on 4 H100s (TP=2 5.52 against 3.44 ms, TP=4 5.34 against 2.32; BENCHMARKS.md issue 6, Update 6): every
 program of that linear polls every counter of the site and reads every rank's partial for each of its K tiles.
 
+The logits stay a gather after the graph (`tensor_parallel.gather_vocab`). Gathering them here instead, from the
+output layer's epilogue into every rank's logits area with a waiting kernel at the end of the graph, was exact and
+11 us slower at TP=4 on H100s (BENCHMARKS.md issue 6, Update 8): the output layer has 1,002 programs a rank, each
+with its remote writes and system-scope signals.
+
 Site s of a step: 2i is layer i's output projection, 2i+1 its down projection. `epoch` counts forwards
 (`begin()`, a one-thread kernel at the start of each); counters only grow (int64), so nothing is reset
 between steps or CUDA graph replays. Every forward must therefore push and reduce every site once (`reset()`
