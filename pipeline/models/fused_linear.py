@@ -159,8 +159,9 @@ def candidates(M: int, N: int, K: int, sm_count: int, gate: bool = False, itemsi
 def gemv_candidates(N: int, K: int, sm_count: int, gate: bool = False) -> list[FusedConfig]:
     """One-row (`gemv`) configurations: at most 64 float32 partial sums a thread (half that with gate/up's two),
     4 or 8 warps, enough programs to cover the multiprocessors where the columns allow, 1 or 2 tiles ahead: up to
-    42 a shape. Each compiles on first use: on a cold Triton cache the 8B's first step took 67 s on an H100 (4.8 s
-    with the tensor-core candidates); Triton keeps compiled kernels on disk, so a machine pays it once."""
+    42 a shape. On a fresh machine the 8B's first step took 67 s on an H100 with these (2.3-4.8 s with a first
+    version's 20, one tile ahead, at most 512 deep); where that goes (compiling the deepest tiles?) was not
+    profiled. Triton keeps compiled kernels on disk."""
     out = []
     for warps in (4, 8):
         budget = (64 if not gate else 32) * 32 * warps  # partial sums a program
