@@ -332,16 +332,17 @@ def config_for(x: torch.Tensor, M: int, N: int, K: int, w: torch.Tensor, bias, n
     if got is not None:
         return got
     sms = _sm_count(x.device)
+    one_row = key[-1]
+    fallback = gemv_default(N, K, sms) if one_row else default_config(M, N, K, sms, gate, w.element_size())
     if x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return _choices.setdefault(key, gemv_default(N, K, sms) if key[-1] else
-                                   default_config(M, N, K, sms, gate, w.element_size()))
+        return _choices.setdefault(key, fallback)
     from pipeline.models.kernel_timing import chain_ms, weight_copies
 
     xs = torch.randn(M, K, dtype=x.dtype, device=x.device)
     out = torch.zeros(M, N, dtype=x.dtype, device=x.device)
     ws = weight_copies(w)
     best, best_ms = None, float("inf")
-    for c in (gemv_candidates(N, K, sms, gate) if key[-1] else candidates(M, N, K, sms, gate, w.element_size())):
+    for c in (gemv_candidates(N, K, sms, gate) if one_row else candidates(M, N, K, sms, gate, w.element_size())):
         try:
             ms = chain_ms(lambda wi: fused_linear(
                 xs, wi, bias, norm_w=norm_w, gate=gate, residual=out if residual is not None else None,
@@ -351,8 +352,7 @@ def config_for(x: torch.Tensor, M: int, N: int, K: int, w: torch.Tensor, bias, n
             continue
         if ms < best_ms:
             best, best_ms = c, ms
-    return _choices.setdefault(key, best or (gemv_default(N, K, sms) if key[-1] else
-                                             default_config(M, N, K, sms, gate, w.element_size())))
+    return _choices.setdefault(key, best or fallback)
 
 
 def chosen() -> dict[str, str]:
