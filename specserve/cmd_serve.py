@@ -185,6 +185,10 @@ def run(args: argparse.Namespace) -> int:
                 serve.shutdown()
         finally:
             ray.shutdown()
+            # Stopped: a late stop signal (the group's, or one Ray's own shutdown passes on) must not kill the
+            # process on its way out and turn its exit status into "killed by SIGINT" (seen once in CI: -2, not 130).
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
     print("specserve: stopped.", flush=True)
     return 0
 
