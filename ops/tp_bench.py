@@ -293,8 +293,10 @@ def bench_rank(rank: int, world: int, init_method: str, shape: str, args: argpar
             if cuda:
                 torch.cuda.empty_cache()
     if cuda:
+        from pipeline.models.fused_linear import chosen as fused_chosen
         from pipeline.models.skinny_linear import chosen
         rec["linear_choices"] = chosen()
+        rec["fused_choices"] = fused_chosen()  # this rank's fused-layer configuration per shape (CUDA or tensor cores)
 
     if rank == 0:
         out = Path(args.out)

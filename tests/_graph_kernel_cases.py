@@ -43,7 +43,7 @@ FUSED_CASES = [
     ("fused-fp8-heads-residual-T3", "fp8-heads", 6, 24, 96, False),
 ]
 PRELOAD_CASES = ["fused-preload-bit-identical"]
-GEMV_CASES = ["fused-gemv-one-row"]
+GEMV_CASES = ["fused-gemv-one-row", "fused-gemv-fp8-widen-bits"]
 FUSED_GRAPH_CASES = ["graph-fused-layer-bf16", "graph-fused-layer-bias-window-bf16", "graph-fused-layer-fp8"]
 # (id, ranks, rows): the tensor-parallel fused all-reduce (pipeline.models.tp_fused), ranks simulated in one process
 TP_FUSED_CASES = [("tp-fused-2-ranks", 2, 1), ("tp-fused-3-ranks-5-rows", 3, 5)]
@@ -136,7 +136,7 @@ def gemv_case(torch, fl) -> dict:
             for gemv, preload, ahead in (("on", "off", 1), ("on", "on", 1), ("on", "off", 2), ("on", "on", 2),
                                          ("off", "off", 1)):
                 fl.GEMV, fl.PRELOAD = gemv, preload
-                fl.gemv_default = lambda N, K, sms, a=ahead: fl.FusedConfig(16, 32, 4, 1, a)  # 2-4 K tiles of 32
+                fl.gemv_default = lambda N, K, sms, a=ahead: fl.FusedConfig(16, 32, 4, 1, a, True)  # 2-4 K tiles of 32
                 fl._choices.clear()
                 outs[gemv, preload, ahead], want = _fused_run(torch, fl, mode, 1, N, K, bias)
             got = outs["on", "off", 1].float()
@@ -153,6 +153,42 @@ def gemv_case(torch, fl) -> dict:
         fl._choices.clear()
     # against the tensor cores: within one bf16 ulp of the largest output
     return {"err": worst, "tol": TOL["bfloat16"], "vs_tensor_cores": vs_tc, "ok": runs == 9 and vs_tc <= 5e-3}
+
+
+def fp8_widen_case(torch, fl, device: str = "cpu") -> dict:
+    """One-row float8 calls widen e4m3 by its bits (`FP8_WIDEN="bits"`, `fused_linear_triton._widen`): the same output
+    bits as the hardware conversion ("cvt") with weights holding every finite e4m3 code (both zeros, subnormals,
+    448), normed and gated and plain, and within rounding of the float32 math on the dequantized weights. Control: the
+    sign of one weight flipped (row 3's largest product) changes the output bits."""
+    import torch.nn.functional as F
+
+    saved = fl.FP8_WIDEN
+    cfg = fl.FusedConfig(16, 64, 4, 1, 1, gemv=True)  # 4 tiles deep: the tiles loaded ahead are exercised too
+    bf, N, K = torch.bfloat16, 48, 256
+    g = torch.Generator().manual_seed(8)
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # 254: all but NaN
+    pick = torch.cat([codes, codes[torch.randint(len(codes), (2 * N * K - len(codes),), generator=g)]])
+    w8 = pick[torch.randperm(len(pick), generator=g)].view(torch.float8_e4m3fn).view(2 * N, K).to(device)
+    scale = (torch.rand(2 * N, generator=g) * 1e-3 + 1e-4).to(device)
+    x = torch.randn(1, K, generator=g).to(bf).to(device)
+    nw = (1 + 0.1 * torch.randn(K, generator=g)).to(bf).to(device)
+    worst, outs = 0.0, {}
+    try:
+        for widen in ("bits", "cvt"):
+            fl.FP8_WIDEN = widen
+            outs[widen] = [fl.fused_linear(x, w8, w_scale=scale, norm_w=nw, eps=1e-5, gate=True, config=cfg),
+                           fl.fused_linear(x, w8[:N], w_scale=scale[:N], config=cfg)]
+        fl.FP8_WIDEN = "bits"
+        w_ctl = w8.clone()
+        w_ctl.view(torch.uint8)[3, int((x[0].float() * w8[3].float()).abs().argmax())] ^= 0x80
+        control = fl.fused_linear(x, w_ctl[:N], w_scale=scale[:N], config=cfg)
+    finally:
+        fl.FP8_WIDEN = saved
+    same = all(torch.equal(a, b) for a, b in zip(outs["bits"], outs["cvt"]))
+    want = F.linear(x.float(), w8[:N].float() * scale[:N, None]).to(bf)
+    worst = float((outs["bits"][1].float() - want.float()).abs().max() / want.float().abs().max())
+    return {"err": worst, "tol": TOL["bfloat16"], "ok": same and not torch.equal(control, outs["bits"][1]),
+            "same_bits_as_cvt": same}
 
 
 def _fused_run(torch, fl, mode, M, N, K, bias):
@@ -365,7 +401,8 @@ def main() -> int:
     runs += [(c, lambda: graph_case(torch)) for c in GRAPH_CASES]
     runs += [(c[0], lambda c=c: fused_case(torch, fl, *c[1:])) for c in FUSED_CASES]
     runs += [(c, lambda: preload_case(torch, fl)) for c in PRELOAD_CASES]
-    runs += [(c, lambda: gemv_case(torch, fl)) for c in GEMV_CASES]
+    runs += [("fused-gemv-one-row", lambda: gemv_case(torch, fl)),
+             ("fused-gemv-fp8-widen-bits", lambda: fp8_widen_case(torch, fl))]
     runs += [(c, lambda c=c: fused_graph_case(torch, c)) for c in FUSED_GRAPH_CASES]
     runs += [(c[0], lambda c=c: tp_fused_case(torch, fl, *c[1:])) for c in TP_FUSED_CASES]
     for case_id, fn in runs:

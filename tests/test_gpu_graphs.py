@@ -190,6 +190,21 @@ def test_fp8_weights_give_the_bf16_fused_layer_where_float8_is_exact():
     assert runners["fp8"].stats.fused_runs >= 9 and noisy.stats.fused_runs >= 9
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_fp8_widened_by_its_bits_gives_the_hardware_conversions_bits():
+    """One-row float8 products widen e4m3 by integer operations on its bits (`fused_linear.FP8_WIDEN`): on the GPU,
+    with every finite code (subnormals too, so a flush to zero would show), the same output bits as the hardware
+    conversion; the CPU interpreter runs the same case in CI (tests/_graph_kernel_cases.py)."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 needs compute capability 8.9+")
+    import _graph_kernel_cases as cases
+
+    import pipeline.models.fused_linear as fl
+
+    r = cases.fp8_widen_case(torch, fl, "cuda")
+    assert r["same_bits_as_cvt"] and r["ok"] and r["err"] <= r["tol"], r
+
+
 def test_no_host_sync_inside_a_step(runners):
     graph = runners[0]
     tokens = torch.randint(0, SMALL.vocab_size, (2, 5), device="cuda")

@@ -57,6 +57,23 @@ def test_fused_default_config_follows_the_chain_timings():
     assert fl.default_config(1, 14336, 4096, 132, gate=True).block_k == 256
 
 
+def test_one_row_calls_tune_cuda_core_and_tensor_core_products(monkeypatch):
+    from pipeline.models import fused_linear as fl
+
+    one = fl.tuning_candidates(1, 4096, 14336, 132, False, 2)
+    kinds = {c.gemv for c in one}
+    assert kinds == {True, False}, "one row: both products are timed"
+    assert all(not c.gemv for c in fl.tuning_candidates(2, 4096, 14336, 132, False, 2)), "2+ rows: tensor cores"
+    assert fl.gemv_default(4096, 14336, 132).gemv
+    monkeypatch.setattr(fl, "GEMV", "off")
+    assert all(not c.gemv for c in fl.tuning_candidates(1, 4096, 14336, 132, False, 2))
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    w = torch.zeros(16, 64, dtype=torch.bfloat16)
+    with pytest.raises(AssertionError, match="one-row calls"):
+        fl._launch(x, 2, 64, (1, 64, 0), (1, 1), w, None, None, 0.0, False, None, None, False,
+                   fl.FusedConfig(16, 64, 4, 1, 1, True))
+
+
 def test_tuning_chains_outgrow_l2():
     from pipeline.models.kernel_timing import copies_needed
 

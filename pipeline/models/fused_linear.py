@@ -33,7 +33,8 @@ decode/verify equality relies on, see `skinny_linear`).
 
 Float8 weights (`quantize_fp8`, `GraphConfig(weights="fp8")`): a drafter's matrices can be streamed as e4m3 with
 a float32 scale per row, widened to bf16 in the kernel; half the bytes. A drafter's precision moves acceptance,
-never the output. H100: 8B-sized steps 22% faster, 1B-sized 9-11% (their cost is per-kernel latency).
+never the output. H100, batch-1 steps against bf16: 8B-sized 39% faster, 1B-sized 27-28% (BENCHMARKS.md, issue 5
+Update 12).
 
 Tensor parallel (`push=`, `pipeline.models.tp_fused`): a row-parallel linear sends its float32 partial to every
 rank's symmetric-memory buffer from its epilogue instead of writing `out`, and signals each 16 columns it wrote
@@ -44,7 +45,11 @@ tile pads to 16. Instead each program multiplies on the CUDA cores into [BLOCK_K
 (reduced once, after the loop), loading the weight tile `ahead` steps on and x's next tile before each step's
 products. This matters most for float8 weights: widened for a tensor-core product they streamed no faster than
 bf16 at a 1B's sizes (H100: a layer's four linears 59.8 us either way; on the CUDA cores 41.8 in float8, 51.5 in
-bf16; the 8B's 157.9 -> 156.3). Calls of 2 or more rows keep the tensor cores.
+bf16; the 8B's 157.9 -> 156.3). Calls of 2 or more rows keep the tensor cores; for one-row calls the tuner times
+both products and keeps the faster (the CUDA cores won every linear timed on H100s, the tensor cores came within
+1-3% at TP=2). Float8 weights are widened there by two integer operations on their bits (`FP8_WIDEN`), not the
+hardware conversions, whose throughput bounded the loop: the same bits, the 1B's float8 layer 37.1 -> 33.3 us and
+the 8B's 100.0 -> 90.9 (BENCHMARKS.md issue 5, Update 12).
 
 Configuration: one program owns BLOCK_N output columns over the whole depth (no split-K: the epilogue needs
 the finished sum). `config_for` times a few (BLOCK_N, BLOCK_K) candidates once per shape on CUDA during the
@@ -95,8 +100,17 @@ if GEMV not in ("on", "off"):
 
 
 def gemv(M: int) -> bool:
-    """Whether a call of M rows takes the CUDA-core product (`GEMV`)."""
+    """Whether a call of M rows may take the CUDA-core product (`GEMV`): the tuner times it against the tensor
+    cores' for each one-row shape (`config_for`); `FusedConfig.gemv` says which one a configuration is."""
     return M == 1 and GEMV == "on"
+
+
+# Float8 weights on the CUDA cores (`GEMV`): widen e4m3 to float32 with two integer operations on its bits ("bits":
+# the exponent field lands 120 below its place, which x's 2**64 and the sums' 2**56 put back, both exact) instead of
+# the hardware conversions ("cvt": e4m3x2 -> f16x2 -> f32, whose throughput bounds the loop, see the module doc).
+FP8_WIDEN = os.environ.get("SPECSERVE_FP8_WIDEN", "bits")
+if FP8_WIDEN not in ("bits", "cvt"):
+    raise ValueError(f"SPECSERVE_FP8_WIDEN must be bits or cvt, got {FP8_WIDEN!r}")
 
 
 # The RMSNorm prologue: "late" multiplies the sums by each row's 1/rms after the K loop (the loop only multiplies x
@@ -113,7 +127,8 @@ class FusedConfig:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
-    ahead: int = 1  # one-row calls (`gemv`): weight tiles loaded ahead of the one multiplied (1 or 2)
+    ahead: int = 1  # with gemv: weight tiles loaded ahead of the one multiplied (1 or 2)
+    gemv: bool = False  # the product on the CUDA cores (one-row calls only), not on the tensor cores
 
 
 def m_pad(M: int) -> int:
@@ -157,27 +172,35 @@ def candidates(M: int, N: int, K: int, sm_count: int, gate: bool = False, itemsi
 
 
 def gemv_candidates(N: int, K: int, sm_count: int, gate: bool = False) -> list[FusedConfig]:
-    """One-row (`gemv`) configurations: at most 64 float32 partial sums a thread (half that with gate/up's two),
-    4 or 8 warps, enough programs to cover the multiprocessors where the columns allow, 1 or 2 tiles ahead: up to
-    42 a shape. On a fresh machine the 8B's first step took 67 s on an H100 with these (2.3-4.8 s with a first
-    version's 20, one tile ahead, at most 512 deep); where that goes (compiling the deepest tiles?) was not
-    profiled. Triton keeps compiled kernels on disk."""
+    """One-row (`gemv`) configurations: 16 or 32 columns (while they make half a program per multiprocessor),
+    128-1024 deep, 4 or 8 warps, at most 64 float32 partial sums a thread (half that with gate/up's two), one tile
+    ahead: 12 a shape (8 for gate/up). What won or came within 2% in every chain timing on H100s (the 1B's and the
+    8B's linears at TP=1 and 2, bf16 and float8: ops/results/issue5/h100-fp8-bits): 64 columns, 64 deep and two
+    tiles ahead never did (two ahead: 0.2-0.7 us slower a linear), and they made the 8B's first step take 73 s to
+    tune on a fresh machine (Triton compiles each candidate once; it keeps them on disk)."""
     out = []
     for warps in (4, 8):
         budget = (64 if not gate else 32) * 32 * warps  # partial sums a program
-        for block_n in (16, 32, 64):
+        for block_n in (16, 32):
             if block_n > 16 and -(-N // block_n) < sm_count // 2:
                 continue
-            for block_k in (64, 128, 256, 512, 1024):
-                if block_n * block_k <= budget and block_k <= max(64, _pow2(K)):
-                    out += [FusedConfig(block_n, block_k, warps, 1, ahead) for ahead in (1, 2)]
+            for block_k in (128, 256, 512, 1024):
+                if block_n * block_k <= budget and block_k <= max(128, _pow2(K)):
+                    out.append(FusedConfig(block_n, block_k, warps, 1, 1, True))
     return out
+
+
+def tuning_candidates(M: int, N: int, K: int, sm_count: int, gate: bool, itemsize: int) -> list[FusedConfig]:
+    """What `config_for` times for a shape: the tensor cores' candidates, and for one-row calls (`gemv`) the CUDA
+    cores' too (neither wins every shape: at TP=2 an 8B's gate/up ran 1% slower on the CUDA cores on an H100,
+    BENCHMARKS.md issue 6 Update 8)."""
+    return (gemv_candidates(N, K, sm_count, gate) if gemv(M) else []) + candidates(M, N, K, sm_count, gate, itemsize)
 
 
 def gemv_default(N: int, K: int, sm_count: int) -> FusedConfig:
     """16 columns, 512 deep (at most K rounded up to a power of two), 8 warps, one tile ahead: what the chain
     timings chose for most of the 1B's one-row linears on an H100 (the tuner times `gemv_candidates` on CUDA)."""
-    return FusedConfig(16, 512 if K >= 512 else max(64, _pow2(K)), 8, 1, 1)
+    return FusedConfig(16, 512 if K >= 512 else max(64, _pow2(K)), 8, 1, 1, True)
 
 
 def _prefetch_plan(w: torch.Tensor, rows: int, K: int, block_n: int, num_warps: int) -> tuple[int, int, int]:
@@ -226,6 +249,7 @@ def _launch(x: torch.Tensor, M: int, K: int, row: tuple[int, int, int], col: tup
             residual: Optional[torch.Tensor], out: Optional[torch.Tensor], use_pdl: bool,
             config: Optional[FusedConfig], w_scale: Optional[torch.Tensor] = None,
             push: Optional[Push] = None) -> torch.Tensor:
+    assert config is None or not config.gemv or M == 1, f"the CUDA-core product (gemv) is for one-row calls, not {M}"
     from pipeline.models import fused_linear_triton as kern
 
     assert w.shape[1] == K and w.stride(1) == 1, f"w must be [N, {K}] with unit column stride, got {tuple(w.shape)}"
@@ -265,7 +289,7 @@ def _launch(x: torch.Tensor, M: int, K: int, row: tuple[int, int, int], col: tup
         EVEN_K=K % c.block_k == 0,
         NORM_LATE=NORM_LATE, R_PAD=_pow2(M), NORM_CHUNK=max(16, min(_pow2(K), 8192 // _pow2(M))),
         USE_PDL=use_pdl, PREFETCH=pf > 0, PF_CHUNKS=chunks, LATE_TRIGGER=LATE_TRIGGER, PRELOAD=preload,
-        GEMV=gemv(M), AHEAD=c.ahead,
+        GEMV=c.gemv, AHEAD=c.ahead, FP8_BITS=FP8_WIDEN == "bits",
         DOT_IN_F32=kern.interpreted() and x.dtype == torch.bfloat16,
         PUSH=push is not None, N_RANKS=n_ranks, UNITS=c.block_n // UNIT, RANKS_POW2=_pow2(n_ranks),
         num_warps=c.num_warps, num_stages=c.num_stages, **launch_kwargs(use_pdl),
@@ -327,13 +351,12 @@ def config_for(x: torch.Tensor, M: int, N: int, K: int, w: torch.Tensor, bias, n
     it (`kernel_timing.chain_ms`), else the default."""
     key = (m_pad(M), N, K, w.dtype, gate, norm_w is not None, residual is not None, bias is not None, x.device,
            norm_w is not None and NORM_LATE, PRELOAD,  # PRELOAD: the setting (its effect depends on w's dtype)
-           gemv(M))
+           gemv(M), FP8_WIDEN)
     got = _choices.get(key)
     if got is not None:
         return got
     sms = _sm_count(x.device)
-    one_row = key[-1]
-    fallback = gemv_default(N, K, sms) if one_row else default_config(M, N, K, sms, gate, w.element_size())
+    fallback = gemv_default(N, K, sms) if gemv(M) else default_config(M, N, K, sms, gate, w.element_size())
     if x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return _choices.setdefault(key, fallback)
     from pipeline.models.kernel_timing import chain_ms, weight_copies
@@ -342,7 +365,7 @@ def config_for(x: torch.Tensor, M: int, N: int, K: int, w: torch.Tensor, bias, n
     out = torch.zeros(M, N, dtype=x.dtype, device=x.device)
     ws = weight_copies(w)
     best, best_ms = None, float("inf")
-    for c in (gemv_candidates(N, K, sms, gate) if one_row else candidates(M, N, K, sms, gate, w.element_size())):
+    for c in tuning_candidates(M, N, K, sms, gate, w.element_size()):
         try:
             ms = chain_ms(lambda wi: fused_linear(
                 xs, wi, bias, norm_w=norm_w, gate=gate, residual=out if residual is not None else None,
@@ -358,6 +381,6 @@ def config_for(x: torch.Tensor, M: int, N: int, K: int, w: torch.Tensor, bias, n
 def chosen() -> dict[str, str]:
     """What was chosen per shape so far, for benchmark reports."""
     return {f"Mpad{k[0]} N{k[1]} K{k[2]} {str(k[3]).removeprefix('torch.')}{' gate' if k[4] else ''}"
-            f"{' norm' if k[5] else ''}{' late' if k[9] else ''}{' res' if k[6] else ''}{' gemv' if k[-1] else ''}":
-            f"{c.block_n}x{c.block_k}/w{c.num_warps}/s{c.num_stages}{f'/ahead{c.ahead}' if k[-1] else ''}"
+            f"{' norm' if k[5] else ''}{' late' if k[9] else ''}{' res' if k[6] else ''}{' M1' if k[11] else ''}":
+            f"{c.block_n}x{c.block_k}/w{c.num_warps}/s{c.num_stages}{f' gemv/ahead{c.ahead}' if c.gemv else ''}"
             for k, c in _choices.items()}

@@ -33,7 +33,9 @@ per BLOCK_N output columns over the whole depth K (no split, so the epilogue see
 GEMV (one row, `fused_linear.GEMV`): no tensor-core tile. Each program multiplies x's row by its weight tiles on the
 CUDA cores into [BLOCK_K, BLOCK_N] float32 partial sums and reduces them once after the loop; the weight tile AHEAD
 steps on, and x's next tile (with the norm weight's), are loaded before each step's products. The prologue and
-epilogue are the same; only the order of the float32 additions differs from the tensor-core loop.
+epilogue are the same; only the order of the float32 additions differs from the tensor-core loop. Float8 weights
+(FP8_BITS) are widened by their bits (`_widen`: the value times 2**-120, which x's 2**64 and the sums' 2**56 undo),
+two integer operations an element instead of two conversions.
 
 USE_PDL: programmatic dependent launch (`pipeline.models.pdl`): wait for the previous kernel before touching x,
 res or y; let the next kernel launch after the K loop (LATE_TRIGGER) or right after the wait. With PREFETCH,
@@ -161,6 +163,19 @@ def _x_prep(x, nw, r0, DT: tl.constexpr, NORM: tl.constexpr, NORM_LATE: tl.const
 
 
 @triton.jit
+def _widen(w, HAS_SCALE: tl.constexpr, FP8_BITS: tl.constexpr):
+    """A weight tile in float32 for the CUDA-core product. Float8 with FP8_BITS: e4m3's bits s.eeee.mmm moved into a
+    float32's sign, the exponent field's low four bits and the mantissa's top three, which is its value times 2**-120
+    exactly (normal and subnormal alike; e4m3's NaN code reads as a finite number): the sign-extended byte shifted by
+    20 keeps the sign in bit 31, and one mask clears bits 27-30 and 0-19. Two integer operations an element where the
+    hardware conversion takes two conversions (e4m3x2 -> f16x2, f16 -> f32) of the SM's slower conversion units."""
+    if HAS_SCALE and FP8_BITS:
+        b = w.to(tl.int8, bitcast=True).to(tl.int32)
+        return ((b << 20) & -2014314496).to(tl.float32, bitcast=True)  # -2014314496 = 0x87F00000
+    return w.to(tl.float32)
+
+
+@triton.jit
 def _dot_acc(acc, x, w, DT: tl.constexpr, HAS_SCALE: tl.constexpr, DOT_IN_F32: tl.constexpr):
     """acc + x @ w in float32 (float8 w widened to DT first: exact; its row scales multiply the sums later)."""
     if HAS_SCALE:
@@ -200,6 +215,7 @@ def fused_linear_kernel(
     PRELOAD: tl.constexpr,  # load the first K tile of the weights before the PDL wait (peeled from the loop)
     GEMV: tl.constexpr,  # M == 1: the product on the CUDA cores, not the tensor cores
     AHEAD: tl.constexpr,  # with GEMV: weight tiles loaded ahead of the one multiplied (1 or 2)
+    FP8_BITS: tl.constexpr,  # with GEMV and float8 weights: widen them by their bits (`_widen`), not by conversions
     DOT_IN_F32: tl.constexpr,  # interpreter + bf16 only: Triton 3.6's interpreter multiplies bf16 as raw bits
     PUSH: tl.constexpr,  # tensor parallel: the float32 result goes to every rank's partials of a site, not to Y
     N_RANKS: tl.constexpr,
@@ -261,6 +277,9 @@ def fused_linear_kernel(
             if GATE:
                 u1 = _w_tile(u_rows, offs_k0 + BLOCK_K, n_ok, K, False)
         xr, nw = _x_raw(X, NORM_W, offs_k0, K, s_xj, XD, NORM)
+        # `_widen`'s float8 bits are the weights times 2**-120: x times 2**64 and the sums times 2**56 put it back,
+        # every product exact as before unless |x * w| < 2**-70 (then within 2**-93 of it).
+        x_shift = 18446744073709551616.0 if HAS_SCALE and FP8_BITS else 1.0  # 2**64
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + offs_k0
             w_new = _w_tile(w_rows, offs_k + AHEAD * BLOCK_K, n_ok, K, False)  # 0 past K: nothing read
@@ -268,10 +287,10 @@ def fused_linear_kernel(
             if GATE:
                 u_new = _w_tile(u_rows, offs_k + AHEAD * BLOCK_K, n_ok, K, False)
             xr_next, nw_next = _x_raw(X, NORM_W, offs_k + BLOCK_K, K, s_xj, XD, NORM)
-            xv = _x_prep(xr, nw, r0, DT, NORM, NORM_LATE, DOT_IN_F32)
-            part += xv[:, None] * w.to(tl.float32)
+            xv = _x_prep(xr, nw, r0, DT, NORM, NORM_LATE, DOT_IN_F32) * x_shift
+            part += xv[:, None] * _widen(w, HAS_SCALE, FP8_BITS)
             if GATE:
-                part_u += xv[:, None] * u.to(tl.float32)
+                part_u += xv[:, None] * _widen(u, HAS_SCALE, FP8_BITS)
             if AHEAD == 2:
                 w = w1
                 w1 = w_new
@@ -282,9 +301,10 @@ def fused_linear_kernel(
                 u = u_new
             xr = xr_next
             nw = nw_next
-        acc = tl.where(offs_m[:, None] == 0, tl.sum(part, axis=0)[None, :], 0.0)
+        unshift = 72057594037927936.0 if HAS_SCALE and FP8_BITS else 1.0  # 2**56
+        acc = tl.where(offs_m[:, None] == 0, tl.sum(part, axis=0)[None, :] * unshift, 0.0)
         if GATE:
-            acc_u = tl.where(offs_m[:, None] == 0, tl.sum(part_u, axis=0)[None, :], 0.0)
+            acc_u = tl.where(offs_m[:, None] == 0, tl.sum(part_u, axis=0)[None, :] * unshift, 0.0)
     else:
         if PRELOAD:  # the first K tile's weights came in before the wait; x's tile only now
             x = _load_x(x_rows, m_ok, offs_k0, s_xj, K, XD, EVEN_K)
