@@ -192,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                     N, K = w.shape[0] // (2 if kind == "gate_up" else 1), w.shape[1]
                     item, gate = w.element_size(), kind == "gate_up"
                     cands = fl.tuning_candidates(M, N, K, sms, gate, item) + [
-                            fl.FusedConfig(bn, bk, nw, ns) for bn in (16, 32)
-                            for bk in ((64, 128) if item == 2 else (256, 512, 1024)) for nw in (4, 8) for ns in (3, 4)
+                        fl.FusedConfig(bn, bk, nw, ns) for bn in (16, 32)
+                        for bk in ((64, 128) if item == 2 else (256, 512, 1024)) for nw in (4, 8) for ns in (3, 4)
                         if K % bk == 0]
                     for c in dict.fromkeys(cands):
                         try:
@@ -204,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                         configs.append({"set": s, "M": M, "kind": kind, "config": str(c), "us": us,
                                         "floor_us": layers.bytes(kind) / bw / 1e3})
                         log(f"config {s:7s} M={M:2d} {kind:8s} {c.block_n:3d}x{c.block_k:<3d} w{c.num_warps} "
-                            f"s{c.num_stages}{f' gemv a{c.ahead}' if c.gemv else ' tc'}  {us:8.1f} us  x{us / configs[-1]['floor_us']:.2f}")
+                            f"s{c.num_stages}{f' gemv a{c.ahead}' if c.gemv else ' tc'}  {us:8.1f} us  "
+                            f"x{us / configs[-1]['floor_us']:.2f}")
         del layers
         torch.cuda.empty_cache()
     log("tuned choices: " + json.dumps(fl.chosen()))
