@@ -251,6 +251,9 @@ def bench_rank(rank: int, world: int, init_method: str, shape: str, args: argpar
                 row["floor_ms"] = (weights + kv) / (rec["copy_GBps"] * 1e9) * 1e3 if cuda else None
                 rec["rows"].append(row)
                 vrows.append(row)
+                if cuda and args.timeline and vi == 0 and (B, T) == (1, 1) and entry is not None \
+                        and entry.graph is not None:
+                    timeline(rec, entry.graph.replay, args.timeline, a.n_layers, world, rank, shape, Path(args.out))
                 if rank == 0:
                     log(f"{shape} TP={world} [{resolved}] B={B} T={T}: {row['ms']:.3f} ms (replay "
                         f"{row.get('replay_ms', float('nan')):.3f}, floor {row['floor_ms'] or float('nan'):.3f}, "
@@ -317,6 +320,29 @@ def bench_rank(rank: int, world: int, init_method: str, shape: str, args: argpar
         import torch.distributed as dist
 
         dist.barrier()
+
+
+def timeline(rec: dict, replay: Callable[[], object], reps: int, n_layers: int, world: int, rank: int, shape: str,
+             out: Path) -> None:
+    """`ops.step_timeline` of the B=1, T=1 graph: every rank replays it `reps` times in lockstep, rank 0 under the
+    profiler (its table goes to the log and to timeline_<shape>_tp<N>.md)."""
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+    if rank == 0:
+        from ops.step_timeline import format_table, profile_replays
+
+        rows = profile_replays(replay, reps, n_layers)
+        rec["timeline"] = rows
+        text = format_table(rows)
+        (out / f"timeline_{shape}_tp{world}.md").write_text(f"{shape} TP={world} rank 0, B=1 T=1, {reps} replays\n\n"
+                                                           f"{text}\n")
+        log(f"{shape} TP={world} timeline (rank 0, B=1 T=1):\n{text}")
+    else:
+        for _ in range(reps + 1):  # profile_replays' warm-up replay, then the profiled ones
+            replay()
+        torch.cuda.synchronize()
 
 
 def _spawned(rank: int, world: int, init_method: str, shape: str, args: argparse.Namespace) -> None:
@@ -475,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
                         "with an optional :MS, the followers' poll window (socket:0 blocks at once); none: no driven "
                         "steps")
     p.add_argument("--no-fp32-ref", action="store_true", help="skip the float32 TP=1 logits (needs 4 bytes/param)")
+    p.add_argument("--timeline", type=int, default=0, metavar="REPS",
+                   help="profile REPS replays of the B=1 T=1 step kernel by kernel (ops/step_timeline.py; CUDA)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="per (shape, N) launch")
     args = p.parse_args(argv)
     out = Path(args.out)

@@ -45,8 +45,10 @@ FUSED_CASES = [
 PRELOAD_CASES = ["fused-preload-bit-identical"]
 GEMV_CASES = ["fused-gemv-one-row", "fused-gemv-fp8-widen-bits"]
 FUSED_GRAPH_CASES = ["graph-fused-layer-bf16", "graph-fused-layer-bias-window-bf16", "graph-fused-layer-fp8"]
-# (id, ranks, rows): the tensor-parallel fused all-reduce (pipeline.models.tp_fused), ranks simulated in one process
-TP_FUSED_CASES = [("tp-fused-2-ranks", 2, 1), ("tp-fused-3-ranks-5-rows", 3, 5)]
+# (id, ranks, rows, wait): the tensor-parallel fused all-reduce (pipeline.models.tp_fused), ranks simulated in one
+# process, the reduce waiting for the data itself or for the unit counters
+TP_FUSED_CASES = [("tp-fused-2-ranks", 2, 1, "data"), ("tp-fused-3-ranks-5-rows", 3, 5, "data"),
+                  ("tp-fused-3-ranks-5-rows-counters", 3, 5, "counters")]
 TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 3e-3}
 
 
@@ -252,14 +254,15 @@ def _fused_run(torch, fl, mode, M, N, K, bias):
     return got, want
 
 
-def tp_fused_case(torch, fl, R: int, M: int) -> dict:
+def tp_fused_case(torch, fl, R: int, M: int, wait: str) -> dict:
     """R ranks of a row-parallel output projection and MLP, simulated in one process: each rank pushes its
     partials into every rank's site buffers (`SiteBuffers` over plain memory, peer addresses in one address
     space), then adds them to its residual stream (`reduce_into`), three steps in a row. The last rank's
     producers run 32-column programs where the others run 16 (ranks may tune differently; the counters are per
     16 columns, so they agree). Against the unsharded eager bf16 math; every rank must hold the same residual
-    bits and every unit counter exactly epoch * R (one push per rank and step). The negative control drops one
-    rank's partial from the reference."""
+    bits. With the unit counters (`wait`), every counter must be exactly epoch * R (one push per rank and step);
+    with the data wait, every partial slot must be empty again (-0.0) and no counter touched. The negative
+    control drops one rank's partial from the reference."""
     import torch.nn.functional as F
 
     from pipeline.models.graphs import rms_norm
@@ -272,7 +275,7 @@ def tp_fused_case(torch, fl, R: int, M: int) -> dict:
     w2 = (torch.randn(C, I * R, generator=g) / (I * R) ** 0.5).to(bf)
     nw = (1 + 0.1 * torch.randn(C, generator=g)).to(bf)
     bufs = [torch.zeros(SiteBuffers.nbytes(R, 16, C, 4), dtype=torch.uint8) for _ in range(R)]
-    sites = [SiteBuffers(b, [b_.data_ptr() for b_ in bufs], r, 16, C, 4) for r, b in enumerate(bufs)]
+    sites = [SiteBuffers(b, [b_.data_ptr() for b_ in bufs], r, 16, C, 4, wait=wait) for r, b in enumerate(bufs)]
     gate_r = lambda r: torch.cat([w13[r * I:(r + 1) * I], w13[(R + r) * I:(R + r + 1) * I]])  # noqa: E731
     x = torch.randn(M, C, generator=g).to(bf)
     cfg = {False: fl.FusedConfig(16, 16, 4, 2), True: fl.FusedConfig(32, 16, 4, 2)}  # by "is the last rank"
@@ -306,8 +309,12 @@ def tp_fused_case(torch, fl, R: int, M: int) -> dict:
                   float((xs[0].float() - ref2.float()).abs().max()) / scale)
         wrong = max(wrong, float((x1[0].float() - short.float()).abs().max()) / scale)
         x = xs[0]
-    counters_ok = all(bool((s.counters[:2] == 3 * R).all()) and not s.counters[2:].any() and int(s.epoch) == 3
-                      for s in sites)
+    if wait == "counters":
+        counters_ok = all(bool((s.counters[:2] == 3 * R).all()) and not s.counters[2:].any() and int(s.epoch) == 3
+                          for s in sites)
+    else:
+        counters_ok = all(bool((s.parts.view(torch.int32) == -(1 << 31)).all()) and not s.counters.any()
+                          and int(s.epoch) == 0 for s in sites)
     return {"err": err, "tol": TOL["bfloat16"], "negative_control": wrong, "ok": same and counters_ok and wrong > 0.1}
 
 

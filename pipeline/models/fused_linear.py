@@ -37,8 +37,8 @@ never the output. H100, batch-1 steps against bf16: 8B-sized 39% faster, 1B-size
 Update 12).
 
 Tensor parallel (`push=`, `pipeline.models.tp_fused`): a row-parallel linear sends its float32 partial to every
-rank's symmetric-memory buffer from its epilogue instead of writing `out`, and signals each 16 columns it wrote
-on every rank.
+rank's symmetric-memory buffer from its epilogue instead of writing `out` (the data is its own flag; with
+`SPECSERVE_TP_WAIT=counters` it also signals each 16 columns it wrote on every rank).
 
 One-row calls (`GEMV`, on by default): a batch-1 decode or draft step multiplies one row, which the tensor-core
 tile pads to 16. Instead each program multiplies on the CUDA cores into [BLOCK_K, BLOCK_N] float32 partial sums
@@ -236,12 +236,14 @@ UNIT = 16  # tensor parallel: columns per signal (the smallest BLOCK_N), see `Pu
 @dataclass(frozen=True)
 class Push:
     """Tensor parallel, a producer: the float32 result goes into slot `rank` of every rank's partials of a site
-    (peer memory); then each program adds 1, on every rank, to the counter of each `UNIT` columns it wrote."""
+    (peer memory); then, with `signal`, each program adds 1, on every rank, to the counter of each `UNIT` columns
+    it wrote. Without, a result of -0.0 is sent as +0.0 (-0.0 marks a partial not yet written)."""
     peer_parts: torch.Tensor  # [R] int64: the address of each rank's partials [R, rows, C] of the site
     peer_units: torch.Tensor  # [R] int64: the address of each rank's unit counters [ceil(C / UNIT)] of the site
     rank: int
     rows: int  # the partials' row capacity (their rank stride is rows * C)
     width: int  # C, the partials' columns
+    signal: bool = True  # count the columns on the unit counters; False: the reduce waits for the data itself
 
 
 def _launch(x: torch.Tensor, M: int, K: int, row: tuple[int, int, int], col: tuple[int, int],
@@ -292,6 +294,7 @@ def _launch(x: torch.Tensor, M: int, K: int, row: tuple[int, int, int], col: tup
         GEMV=c.gemv, AHEAD=c.ahead, FP8_BITS=FP8_WIDEN == "bits",
         DOT_IN_F32=kern.interpreted() and x.dtype == torch.bfloat16,
         PUSH=push is not None, N_RANKS=n_ranks, UNITS=c.block_n // UNIT, RANKS_POW2=_pow2(n_ranks),
+        SIGNAL=push is None or push.signal,
         num_warps=c.num_warps, num_stages=c.num_stages, **launch_kwargs(use_pdl),
     )
     return out

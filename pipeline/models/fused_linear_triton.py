@@ -221,6 +221,7 @@ def fused_linear_kernel(
     N_RANKS: tl.constexpr,
     UNITS: tl.constexpr,  # with PUSH: BLOCK_N // UNIT, the counters a program signals
     RANKS_POW2: tl.constexpr,  # with PUSH: N_RANKS rounded up to a power of two
+    SIGNAL: tl.constexpr,  # with PUSH: count the columns on the unit counters (else the data is its own flag)
 ):
     DT = X.dtype.element_ty  # the model's activation dtype: products and roundings in it
     pid = tl.program_id(0)
@@ -348,14 +349,17 @@ def fused_linear_kernel(
         res = tl.load(RES + offs_m[:, None] * s_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
         out = res + out
     if PUSH:  # this rank's partial, unrounded, into its slot of every rank's partials; then count it there
+        if not SIGNAL:  # the reduce waits for the values themselves, with -0.0 meaning "not yet": send +0.0 for it
+            acc = tl.where(acc == 0.0, 0.0, acc)
         for r in tl.static_range(N_RANKS):
             dst = tl.load(PEER_PARTS + r).to(tl.pointer_type(tl.float32)) + my_part
             tl.store(dst + offs_m[:, None] * s_pm + offs_n[None, :], acc, mask=mask)
-        tl.debug_barrier()  # every thread's stores are issued before the releases below
-        # One signal per rank and 16 columns, all at once (one thread each): counters at distinct addresses,
-        # so the remote atomics do not queue on one address (many on one measured ~7 us a site at 4 ranks).
-        n_units = tl.cdiv(N, UNIT)
-        _signal_units(PEER_UNITS, pid * UNITS, n_units, UNITS, N_RANKS, RANKS_POW2)
+        if SIGNAL:
+            tl.debug_barrier()  # every thread's stores are issued before the releases below
+            # One signal per rank and 16 columns, all at once (one thread each): counters at distinct addresses,
+            # so the remote atomics do not queue on one address (many on one measured ~7 us a site at 4 ranks).
+            n_units = tl.cdiv(N, UNIT)
+            _signal_units(PEER_UNITS, pid * UNITS, n_units, UNITS, N_RANKS, RANKS_POW2)
     else:
         tl.store(Y + offs_m[:, None] * s_ym + offs_n[None, :], out.to(Y.dtype.element_ty), mask=mask)
 
@@ -418,6 +422,30 @@ def _sum_parts(X, s_xm, PARTS, s_pr, s_pm, offs_m, offs_n, mask, N_RANKS: tl.con
     tl.store(X + ptrs, acc.to(DT), mask=mask)
 
 
+EMPTY = tl.constexpr(-2147483648)  # the bits of float32 -0.0: a partial not written yet (data waits; `tp_fused`)
+
+
+@triton.jit
+def _await_parts(PARTS, s_pr, s_pm, offs_m, offs_n, mask, spin_ns, N_RANKS: tl.constexpr,
+                 RANKS_POW2: tl.constexpr, SPIN_LIMIT: tl.constexpr):
+    """The N_RANKS partials of these columns as float32 [RANKS_POW2, M_PAD, BLOCK_C] (0 where masked), polled
+    (volatile loads, one round trip a poll) until none is still EMPTY; then their slots are EMPTY again, for the
+    site that reuses them. Trap after spin_ns with SPIN_LIMIT."""
+    r = tl.arange(0, RANKS_POW2)
+    ptrs = PARTS.to(tl.pointer_type(tl.int32)) + r[:, None, None] * s_pr + offs_m[None, :, None] * s_pm \
+        + offs_n[None, None, :]
+    ok = (r < N_RANKS)[:, None, None] & mask[None, :, :]
+    bits = tl.load(ptrs, mask=ok, other=0, volatile=True)
+    t0 = tl.extra.cuda.globaltimer() if SPIN_LIMIT else 0
+    while tl.max(tl.where(bits == EMPTY, 1, 0)) > 0:
+        if SPIN_LIMIT:
+            if tl.extra.cuda.globaltimer() - t0 > spin_ns:
+                _trap()
+        bits = tl.load(ptrs, mask=ok, other=0, volatile=True)
+    tl.store(ptrs, tl.full(bits.shape, EMPTY, tl.int32), mask=ok)
+    return bits.to(tl.float32, bitcast=True)
+
+
 @triton.jit
 def reduce_partials_kernel(
     X, PARTS, UNIT_CNT, EPOCH,
@@ -427,19 +455,33 @@ def reduce_partials_kernel(
     BLOCK_C: tl.constexpr,
     USE_PDL: tl.constexpr,
     SPIN_LIMIT: tl.constexpr,
+    ON_DATA: tl.constexpr,  # wait for the partials' values (EMPTY until written), not for the unit counters
+    RANKS_POW2: tl.constexpr,
 ):
     """Tensor parallel, the sum as a kernel of its own (`tp_fused.SiteBuffers.reduce_into`): X[m, cols] += the
-    N_RANKS partials of a site once its unit counters of these columns show every rank's push of this epoch."""
+    N_RANKS partials of a site once they are all in: every partial of these columns written (ON_DATA), or the
+    unit counters of these columns showing every rank's push of this epoch."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_m = tl.arange(0, M_PAD)
     mask = (offs_m < M)[:, None] & (offs_n < C)[None, :]
-    # No PDL wait for the producer's grid (`tp_fused`: its counters order everything this kernel reads).
-    _wait_units(UNIT_CNT, pid * (BLOCK_C // UNIT), tl.cdiv(C, UNIT), tl.load(EPOCH) * N_RANKS, spin_ns,
-                BLOCK_C // UNIT, SPIN_LIMIT)
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    _sum_parts(X, s_xm, PARTS, s_pr, s_pm, offs_m, offs_n, mask, N_RANKS)
+    # No PDL wait for the producer's grid (`tp_fused`: the data or its counters order everything this kernel reads).
+    if ON_DATA:
+        parts = _await_parts(PARTS, s_pr, s_pm, offs_m, offs_n, mask, spin_ns, N_RANKS, RANKS_POW2, SPIN_LIMIT)
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        ptrs = offs_m[:, None] * s_xm + offs_n[None, :]
+        acc = tl.load(X + ptrs, mask=mask, other=0.0).to(tl.float32)
+        r = tl.arange(0, RANKS_POW2)[:, None, None]
+        for i in tl.static_range(N_RANKS):  # rank order, as `_sum_parts` (one term of each sum is not 0)
+            acc += tl.sum(tl.where(r == i, parts, 0.0), axis=0)
+        tl.store(X + ptrs, acc.to(X.dtype.element_ty), mask=mask)
+    else:
+        _wait_units(UNIT_CNT, pid * (BLOCK_C // UNIT), tl.cdiv(C, UNIT), tl.load(EPOCH) * N_RANKS, spin_ns,
+                    BLOCK_C // UNIT, SPIN_LIMIT)
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        _sum_parts(X, s_xm, PARTS, s_pr, s_pm, offs_m, offs_n, mask, N_RANKS)
 
 
 def interpreted() -> bool:

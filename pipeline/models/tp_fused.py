@@ -7,17 +7,27 @@ sum at batch 1 on an H100. Here:
 
 - the producer (`fused_linear(..., push=)`, the fused layer's output and down projections) writes its float32
   partial straight into slot `rank` of every rank's buffer of that *site* (peer memory over NVLink, PyTorch
-  symmetric memory, never multicast). Each of its programs then adds 1 to every rank's counter of each 16
-  columns (`fused_linear.UNIT`) it wrote: one atomic a rank and unit, release, system scope, all sent at once.
-- `reduce_into` (one small kernel, 64 columns a program) waits until this rank's counters of its columns reach
-  `epoch * ranks` (acquire, one round trip a poll), then adds the ranks' partials to the residual stream in
-  place, summed in float32 in rank order and rounded once, so every rank holds the same bits. The next fused
-  linear reads it as usual.
+  symmetric memory, never multicast). Plain stores: no fence, no signal.
+- `reduce_into` (one small kernel, 64 columns a program) polls this rank's slots of its columns (volatile loads,
+  one round trip a poll) until no value is -0.0, the mark of a slot not written yet (the producer sends a -0.0
+  result as +0.0, which sums alike); then it marks those slots empty again for the site that reuses them, and
+  adds the ranks' partials to the residual stream in place, summed in float32 in rank order and rounded once, so
+  every rank holds the same bits. The next fused linear reads it as usual.
 
-The counters order everything the reduce reads, so it does not wait for the producer's grid to finish (no PDL
-wait): the producer's programs signal after their last read and write, its own rank's counters included, and
-a reduce program passes only once every program that wrote its columns has signalled. What the reduce reads
-besides (x, the epoch) was written before the producer's own PDL wait.
+A 4-byte store arrives whole, so a value that is not -0.0 is the producer's; the data orders itself and the
+reduce needs no PDL wait for the producer's grid. What it reads besides (x) was written before the producer's own
+PDL wait. This is the "Lamport" scheme of TensorRT-LLM's low-latency all-reduce, with one sentinel and two
+buffers (below).
+
+The data wait is the default (`SPECSERVE_TP_WAIT=data`). It replaced unit counters (`SPECSERVE_TP_WAIT=counters`,
+kept for comparison): each producer program, after a barrier, added 1 to every rank's counter of each 16 columns
+(`fused_linear.UNIT`) it wrote, release at system scope, and a reduce program waited (acquire) until its columns'
+counters reached `epoch * ranks`. A system-scope release has to see the program's remote writes land before its
+atomics go out, so the signal follows the data instead of travelling with it. Measured on 4x H100 (BENCHMARKS.md
+issue 6, Update 10; batch-1 decode, the Llama-3-8B shape), the same logits to the bit: TP=2 3.404 -> 3.225 ms in
+one process pair, TP=4 2.21 (Update 9) -> 1.988 ms, 70B at TP=4 14.2 (Update 9) -> 13.5 ms. Per layer (`ops/step_timeline.py`) the output projection's exposed time
+fell from 11.5 to 7.4 us and the down projection's from 24.5 to 21.5; the reduces' rose from 1.9 to 4.0 (they now
+do the waiting).
 
 Before (stop 17): one counter a site, bumped by the producer's last program (a ticket on its GPU), and a reduce
 of 4 programs of 1024 columns behind a PDL wait. Per-unit counters make a reduce program wait only for the
@@ -40,16 +50,17 @@ output layer's epilogue into every rank's logits area with a waiting kernel at t
 11 us slower at TP=4 on H100s (BENCHMARKS.md issue 6, Update 8): the output layer has 1,002 programs a rank, each
 with its remote writes and system-scope signals.
 
-Site s of a step: 2i is layer i's output projection, 2i+1 its down projection. `epoch` counts forwards
-(`begin()`, a one-thread kernel at the start of each); counters only grow (int64), so nothing is reset
-between steps or CUDA graph replays. Every forward must therefore push and reduce every site once (`reset()`
-after anything else, like `self_test`). Two partial buffers (even and odd sites) are enough: rank A writes
-site s+2's partials only after its reduce of s+1 saw every rank's s+1 partials, which each rank pushed only
-after its reduce of s had finished (the producer's PDL wait follows a chain of PDL waits back to that reduce).
+Site s of a step: 2i is layer i's output projection, 2i+1 its down projection. Every forward must push and
+reduce every site once (`reset()` after anything else, like `self_test`): a reduce empties the slots it read, and
+with the counters, `epoch` counts forwards (`begin()`, a one-thread kernel at the start of each) while counters
+only grow (int64). Nothing is reset between steps or CUDA graph replays. Two partial buffers (even and odd sites)
+are enough: rank A writes site s+2's partials only after its reduce of s+1 saw every rank's s+1 partials, which
+each rank pushed only after its reduce of s had finished, emptied slots included (the producer's PDL wait follows
+a chain of PDL waits back to that reduce).
 
 A rank that dies mid-step must not leave its peers' GPUs spinning: `reduce_into` gives up after
 `SPECSERVE_TP_SPIN_TIMEOUT_S` (default 120 s) and traps, which fails that process's CUDA context and with it the
-replica (seen on 4 H200s: a wrong count made all four ranks exit, none hung).
+replica (seen on 4 H200s with the counters: a wrong count made all four ranks exit, none hung).
 
 Ranks must run the same sequence of fused forwards (the SPMD lockstep the tensor-parallel runner keeps). The
 layout and the protocol are tested on CPU under Triton's interpreter with the ranks simulated in one process
@@ -71,6 +82,13 @@ _ALIGN = 256
 # call of a shape may compile and tune kernels in between.
 SPIN_TIMEOUT_S = float(os.environ.get("SPECSERVE_TP_SPIN_TIMEOUT_S", "120"))
 REDUCE_COLS = 64  # `reduce_into`'s columns a program (32-256 measured alike on 4x H100; a multiple of UNIT)
+# How a reduce knows its partials are in: "data" (they are written over -0.0, which marks an empty slot, so it
+# polls the values themselves; no fence, no counter) or "counters" (each producer program's release atomics).
+WAITS = ("data", "counters")
+WAIT = os.environ.get("SPECSERVE_TP_WAIT", "data")
+if WAIT not in WAITS:
+    raise ValueError(f"SPECSERVE_TP_WAIT must be one of {WAITS}, got {WAIT!r}")
+_EMPTY = -(1 << 31)  # the int32 bits of float32 -0.0 (fused_linear_triton.EMPTY)
 
 
 class SiteBuffers:
@@ -80,8 +98,10 @@ class SiteBuffers:
     (symmetric memory; plain memory for tests); `bases`: every rank's block address, in rank order."""
 
     def __init__(self, buf: torch.Tensor, bases: Sequence[int], rank: int, rows: int, hidden: int,
-                 n_sites: int) -> None:
+                 n_sites: int, wait: str | None = None) -> None:
         R = len(bases)
+        self.wait = wait or WAIT
+        assert self.wait in WAITS, self.wait
         assert 0 <= rank < R and buf.dtype == torch.uint8 and buf.numel() >= self.nbytes(R, rows, hidden, n_sites)
         self.rank, self.n_ranks, self.rows, self.hidden, self.n_sites = rank, R, rows, hidden, n_sites
         self.n_units = -(-hidden // UNIT)
@@ -95,14 +115,22 @@ class SiteBuffers:
                             for p in range(2)]
         self._peer_units = torch.tensor([[b + cnt_off + 8 * s * self.n_units for b in bases] for s in range(n_sites)],
                                         dtype=torch.int64, device=dev)
+        self._empty_parts()
+
+    def _empty_parts(self) -> None:
+        """Every partial slot back to -0.0, "not written" (the data wait; ignored by the counters')."""
+        self.parts.view(torch.int32).fill_(_EMPTY)
 
     @staticmethod
     def nbytes(n_ranks: int, rows: int, hidden: int, n_sites: int) -> int:
         return _round_up(2 * n_ranks * rows * hidden * 4) + 8 * n_sites * -(-hidden // UNIT)
 
     def begin(self) -> None:
-        """Start a forward: epoch += 1 (one kernel, ordinary stream order)."""
+        """Start a forward: epoch += 1 (one kernel, ordinary stream order; nothing with the data wait)."""
         from pipeline.models import fused_linear_triton as kern
+
+        if self.wait == "data":
+            return
 
         kern.bump_epoch_kernel[(1,)](self.epoch)
 
@@ -112,6 +140,7 @@ class SiteBuffers:
 
         self.counters.zero_()
         self.epoch.zero_()
+        self._empty_parts()
         if self.epoch.is_cuda:
             torch.cuda.synchronize(self.epoch.device)
         if dist.is_initialized():
@@ -119,7 +148,8 @@ class SiteBuffers:
 
     def push(self, site: int) -> Push:
         assert 0 <= site < self.n_sites, site
-        return Push(self._peer_parts[site % 2], self._peer_units[site], self.rank, self.rows, self.hidden)
+        return Push(self._peer_parts[site % 2], self._peer_units[site], self.rank, self.rows, self.hidden,
+                    signal=self.wait == "counters")
 
     def reduce_into(self, x: torch.Tensor, site: int, use_pdl: bool = False) -> None:
         """x [M, C] += every rank's partial of `site`, in place, once they are all in (one small kernel)."""
@@ -133,7 +163,8 @@ class SiteBuffers:
             x, parts, self.counters[site], self.epoch,
             M, C, x.stride(0), parts.stride(0), parts.stride(1), _spin_ns(),
             N_RANKS=self.n_ranks, M_PAD=_next_pow2(M), BLOCK_C=REDUCE_COLS, USE_PDL=use_pdl,
-            SPIN_LIMIT=_spin_ns() > 0, num_warps=4, **launch_kwargs(use_pdl))
+            SPIN_LIMIT=_spin_ns() > 0, ON_DATA=self.wait == "data", RANKS_POW2=_next_pow2(self.n_ranks),
+            num_warps=4, **launch_kwargs(use_pdl))
 
 
 def _spin_ns() -> int:
@@ -165,9 +196,10 @@ def symmetric_sites(group: Any, device: torch.device, rows: int, hidden: int, n_
     buf = symm_mem.empty(SiteBuffers.nbytes(R, rows, hidden, n_sites), dtype=torch.uint8, device=device)
     handle = symm_mem.rendezvous(buf, name)
     buf.zero_()
+    sites = SiteBuffers(buf, list(handle.buffer_ptrs), dist.get_rank(group), rows, hidden, n_sites)
     torch.cuda.synchronize(device)
-    dist.barrier(group=group)  # every block is zero before any rank pushes into it
-    return SiteBuffers(buf, list(handle.buffer_ptrs), dist.get_rank(group), rows, hidden, n_sites)
+    dist.barrier(group=group)  # every block is zeroed and emptied before any rank pushes into it
+    return sites
 
 
 def self_test(sites: SiteBuffers, group: Any, dtype: torch.dtype, reps: int = 2) -> None:
