@@ -254,7 +254,7 @@ def _fused_run(torch, fl, mode, M, N, K, bias):
     return got, want
 
 
-def tp_fused_case(torch, fl, R: int, M: int, wait: str) -> dict:
+def tp_fused_case(torch, fl, R: int, M: int, wait: str, device: str = "cpu") -> dict:
     """R ranks of a row-parallel output projection and MLP, simulated in one process: each rank pushes its
     partials into every rank's site buffers (`SiteBuffers` over plain memory, peer addresses in one address
     space), then adds them to its residual stream (`reduce_into`), three steps in a row. The last rank's
@@ -262,7 +262,7 @@ def tp_fused_case(torch, fl, R: int, M: int, wait: str) -> dict:
     16 columns, so they agree). Against the unsharded eager bf16 math; every rank must hold the same residual
     bits. With the unit counters (`wait`), every counter must be exactly epoch * R (one push per rank and step);
     with the data wait, every partial slot must be empty again (-0.0) and no counter touched. The negative
-    control drops one rank's partial from the reference."""
+    control drops one rank's partial from the reference. On CUDA the ranks share one GPU (its stream orders them)."""
     import torch.nn.functional as F
 
     from pipeline.models.graphs import rms_norm
@@ -270,19 +270,19 @@ def tp_fused_case(torch, fl, R: int, M: int, wait: str) -> dict:
 
     bf, C, I, Kin, eps = torch.bfloat16, 64, 48, 32, 1e-5
     g = torch.Generator().manual_seed(R * 10 + M)
-    wo = (torch.randn(C, Kin * R, generator=g) / (Kin * R) ** 0.5).to(bf)  # row-parallel: columns split
-    w13 = (torch.randn(2 * I * R, C, generator=g) / C**0.5).to(bf)  # column-parallel gate/up
-    w2 = (torch.randn(C, I * R, generator=g) / (I * R) ** 0.5).to(bf)
-    nw = (1 + 0.1 * torch.randn(C, generator=g)).to(bf)
-    bufs = [torch.zeros(SiteBuffers.nbytes(R, 16, C, 4), dtype=torch.uint8) for _ in range(R)]
+    wo = (torch.randn(C, Kin * R, generator=g) / (Kin * R) ** 0.5).to(device, bf)  # row-parallel: columns split
+    w13 = (torch.randn(2 * I * R, C, generator=g) / C**0.5).to(device, bf)  # column-parallel gate/up
+    w2 = (torch.randn(C, I * R, generator=g) / (I * R) ** 0.5).to(device, bf)
+    nw = (1 + 0.1 * torch.randn(C, generator=g)).to(device, bf)
+    bufs = [torch.zeros(SiteBuffers.nbytes(R, 16, C, 4), dtype=torch.uint8, device=device) for _ in range(R)]
     sites = [SiteBuffers(b, [b_.data_ptr() for b_ in bufs], r, 16, C, 4, wait=wait) for r, b in enumerate(bufs)]
     gate_r = lambda r: torch.cat([w13[r * I:(r + 1) * I], w13[(R + r) * I:(R + r + 1) * I]])  # noqa: E731
-    x = torch.randn(M, C, generator=g).to(bf)
+    x = torch.randn(M, C, generator=g).to(device, bf)
     cfg = {False: fl.FusedConfig(16, 16, 4, 2), True: fl.FusedConfig(32, 16, 4, 2)}  # by "is the last rank"
     err = wrong = 0.0
     same = True
     for step in range(3):
-        y = torch.randn(M, Kin * R, generator=g).to(bf)
+        y = torch.randn(M, Kin * R, generator=g).to(device, bf)
         # the eager, unsharded reference: x += wo y; x += w2 silu-gate(norm(x))
         ref1 = x + F.linear(y, wo)
         gate, up = F.linear(rms_norm(ref1, nw, eps), w13).chunk(2, dim=-1)  # [gate rows of all ranks; up rows]
@@ -316,6 +316,31 @@ def tp_fused_case(torch, fl, R: int, M: int, wait: str) -> dict:
         counters_ok = all(bool((s.parts.view(torch.int32) == -(1 << 31)).all()) and not s.counters.any()
                           and int(s.epoch) == 0 for s in sites)
     return {"err": err, "tol": TOL["bfloat16"], "negative_control": wrong, "ok": same and counters_ok and wrong > 0.1}
+
+
+def tp_missing_rank_main(all_push: bool) -> int:
+    """A child process (CUDA): two ranks simulated on one GPU (`tp_fused_case`'s layout), the data wait. Rank 0
+    pushes its output-projection partial, rank 1 does too only with `all_push`, then rank 0 reduces. With a rank
+    missing the reduce must trap after SPECSERVE_TP_SPIN_TIMEOUT_S (set it small) and the process fail, not hang.
+    Prints "reduced" once the reduce has finished."""
+    import torch
+
+    import pipeline.models.fused_linear as fl
+    from pipeline.models.tp_fused import SiteBuffers
+
+    C, K = 64, 32
+    bufs = [torch.zeros(SiteBuffers.nbytes(2, 16, C, 2), dtype=torch.uint8, device="cuda") for _ in range(2)]
+    sites = [SiteBuffers(b, [b_.data_ptr() for b_ in bufs], r, 16, C, 2, wait="data") for r, b in enumerate(bufs)]
+    x = torch.ones(1, K, dtype=torch.bfloat16, device="cuda")
+    w = torch.ones(C, K, dtype=torch.bfloat16, device="cuda")
+    for r in range(2 if all_push else 1):
+        fl.fused_linear(x, w, push=sites[r].push(0))
+    res = torch.zeros(1, C, dtype=torch.bfloat16, device="cuda")
+    sites[0].reduce_into(res, 0)
+    torch.cuda.synchronize()
+    assert bool((res == 2 * K).all()), res
+    print("reduced", flush=True)
+    return 0
 
 
 def fused_graph_case(torch, case: str) -> dict:

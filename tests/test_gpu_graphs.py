@@ -381,3 +381,38 @@ def test_engine_warmup_leaves_no_capture_to_the_steps():
     assert sum(k * n for k, n in engine.timings.steps_by_k.items()) > 0  # it did speculate
     alone = build(False).generate_batch(prompts, params, SpecParams(num_draft_tokens=0))
     assert [r.token_ids for r in got] == [r.token_ids for r in alone]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("wait", ["data", "counters"])
+def test_tp_fused_allreduce_on_the_gpu(wait):
+    """The fused all-reduce's push and reduce (`pipeline.models.tp_fused`) with GPU memory and loads: two and three
+    ranks simulated on one GPU against the eager bf16 math (the case CI runs in the interpreter)."""
+    import _graph_kernel_cases as cases
+
+    import pipeline.models.fused_linear as fl
+
+    for R, M in ((2, 1), (3, 5)):
+        r = cases.tp_fused_case(torch, fl, R, M, wait, "cuda")
+        assert r["ok"] and r["err"] <= r["tol"], (R, M, r)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_tp_reduce_traps_instead_of_hanging_when_a_rank_never_writes():
+    """A reduce whose peer never pushes gives up after SPECSERVE_TP_SPIN_TIMEOUT_S: the process fails (its CUDA
+    context trapped) instead of spinning for ever. Control: the same process with every rank pushing finishes."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "SPECSERVE_TP_SPIN_TIMEOUT_S": "1", "PYTHONPATH": f"{tests.parent}{os.pathsep}{tests}"}
+    runs = {}
+    for all_push in (True, False):
+        code = f"import sys, _graph_kernel_cases as c; sys.exit(c.tp_missing_rank_main({all_push}))"
+        runs[all_push] = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                        timeout=300)
+    ok, missing = runs[True], runs[False]
+    assert ok.returncode == 0 and "reduced" in ok.stdout, ok.stderr[-2000:]
+    assert missing.returncode != 0 and "reduced" not in missing.stdout, (missing.stdout, missing.stderr[-2000:])
