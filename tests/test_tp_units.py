@@ -45,3 +45,29 @@ def test_tp_allreduce_is_a_setting_of_tensor_parallel_cuda_targets():
         cfg.AppConfig(target={**gpu, "tensor_parallel_size": 1, "tp_allreduce": "fused"})
     with pytest.raises(ValueError, match="tp_allreduce"):
         cfg.AppConfig(target={**gpu, "tp_allreduce": "ring"})
+
+
+def test_enabling_symmetric_memory_says_nothing_where_torch_no_longer_needs_it(tmp_path):
+    """torch >= 2.8 deprecates `enable_symm_mem_for_group` with a FutureWarning on every call (every rank, every
+    setup); `enable_symmetric_memory` still calls it (older torch needs it) without the warning."""
+    import warnings
+
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from pipeline.models.tp_allreduce import enable_symmetric_memory
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0, world_size=1)
+    try:
+        name = dist.group.WORLD.group_name
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # the negative control: the plain call warns here
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                symm_mem.enable_symm_mem_for_group(name)
+            if not any(issubclass(w.category, FutureWarning) for w in seen):
+                pytest.skip("this torch does not deprecate enable_symm_mem_for_group")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            enable_symmetric_memory(name)
+    finally:
+        dist.destroy_process_group()

@@ -30,6 +30,19 @@ ALLREDUCE_KINDS = ("auto", "nccl", "symm")
 Reducer = Callable[[torch.Tensor], torch.Tensor]  # partial sums -> the sum over ranks (maybe the same tensor)
 
 
+def enable_symmetric_memory(group_name: str) -> None:
+    """Before a group's first symmetric-memory rendezvous: torch < 2.8 needs symmetric memory enabled for it; newer
+    versions need nothing and deprecate the call (a FutureWarning on every rank, silenced here)."""
+    import warnings
+
+    import torch.distributed._symmetric_memory as symm_mem
+
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*enable_symm_mem_for_group.*", category=FutureWarning)
+            symm_mem.enable_symm_mem_for_group(group_name)
+
+
 def nccl_all_reduce(group: Any) -> Reducer:
     def reduce(x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x, group=group)
@@ -47,8 +60,7 @@ class SymmetricOneShot:
         self.group = group
         self.group_name = (group or dist.group.WORLD).group_name
         self.fallback = nccl_all_reduce(group)
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before rendezvous in torch < 2.8
-            symm_mem.enable_symm_mem_for_group(self.group_name)
+        enable_symmetric_memory(self.group_name)
         self.max_numel = max_bytes // torch.empty(0, dtype=dtype).element_size()
         self.buf = symm_mem.empty(self.max_numel, dtype=dtype, device=device)
         self.handle = symm_mem.rendezvous(self.buf, self.group_name)

@@ -189,9 +189,10 @@ def symmetric_sites(group: Any, device: torch.device, rows: int, hidden: int, n_
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
 
+    from pipeline.models.tp_allreduce import enable_symmetric_memory
+
     name = (group or dist.group.WORLD).group_name
-    if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before rendezvous in torch < 2.8
-        symm_mem.enable_symm_mem_for_group(name)
+    enable_symmetric_memory(name)
     R = dist.get_world_size(group)
     buf = symm_mem.empty(SiteBuffers.nbytes(R, rows, hidden, n_sites), dtype=torch.uint8, device=device)
     handle = symm_mem.rendezvous(buf, name)
