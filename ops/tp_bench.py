@@ -212,13 +212,14 @@ def bench_rank(rank: int, world: int, init_method: str, shape: str, args: argpar
         fast.allocate(max(batches), args.context + 256)
         for b in range(max(batches)):  # prefill every slot (eager path): the cache is the same model's at any N
             fast.forward(prompts[b : b + 1], torch.tensor([0]), torch.tensor([b]), args.context - 1)
-        # Logits at the same inputs (compared across N by the launcher; the first variant's are the TP=N ones).
-        for T in Ts:
-            out = fast.forward(step_tokens[:1, :T], torch.tensor([args.context]), torch.tensor([0]))
-            key = f"T{T}" if vi == 0 else f"{resolved}:T{T}"
+        # Logits at the same inputs (compared across N by the launcher; the first variant's are the TP=N ones):
+        # row 0 alone, and every row of the largest batch.
+        for name, T, B in logit_cases(batches, Ts):
+            out = fast.forward(step_tokens[:B, :T], torch.full((B,), args.context), torch.arange(B))
+            key = name if vi == 0 else f"{resolved}:{name}"
             logits[key] = out.float().cpu()
             if vi > 0:  # another all-reduce kind: same sums, maybe in another order (bf16 rounding)
-                rec.setdefault("variant_logits_max_diff", {})[key] = float((logits[key] - logits[f"T{T}"]).abs().max())
+                rec.setdefault("variant_logits_max_diff", {})[key] = float((logits[key] - logits[name]).abs().max())
 
         vrows: list[dict] = []  # this variant's rows
         for B in batches:
@@ -310,16 +311,22 @@ def bench_rank(rank: int, world: int, init_method: str, shape: str, args: argpar
             if cuda:
                 torch.cuda.empty_cache()
             ref = LlamaCausalLM(plain_model(a, source, device, torch.float32), info_of(shape, a))
-            ref.allocate(1, args.context + 256)
-            ref.forward(prompts[:1], torch.tensor([0]), torch.tensor([0]), args.context - 1)
-            torch.save({f"T{T}": ref.forward(step_tokens[:1, :T], torch.tensor([args.context]), torch.tensor([0])).cpu()
-                        for T in Ts}, out / f"logits_{shape}_fp32.pt")
+            ref.allocate(max(batches), args.context + 256)
+            for b in range(max(batches)):
+                ref.forward(prompts[b : b + 1], torch.tensor([0]), torch.tensor([b]), args.context - 1)
+            torch.save({name: ref.forward(step_tokens[:B, :T], torch.full((B,), args.context), torch.arange(B)).cpu()
+                        for name, T, B in logit_cases(batches, Ts)}, out / f"logits_{shape}_fp32.pt")
             del ref
         (out / f"tp_bench_{shape}_tp{world}.json").write_text(json.dumps(rec, indent=1))
     if world > 1:
         import torch.distributed as dist
 
         dist.barrier()
+
+
+def logit_cases(batches: list[int], Ts: list[int]) -> list[tuple[str, int, int]]:
+    """(name, T, B) of the logits compared across sizes: row 0 at each T ("T5"), and the largest batch ("B8T5")."""
+    return [(f"T{T}", T, 1) for T in Ts] + [(f"B{max(batches)}T{T}", T, max(batches)) for T in Ts if max(batches) > 1]
 
 
 def timeline(rec: dict, replay: Callable[[], object], reps: int, n_layers: int, world: int, rank: int, shape: str,

@@ -15,15 +15,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_tp_bench_smoke_on_cpu(tmp_path):
     cmd = [sys.executable, "ops/tp_bench.py", "--device", "cpu", "--shapes", "tiny", "--sizes", "1,2",
-           "--context", "24", "--iters", "3", "--control", "socket,gloo", "--out", str(tmp_path)]
+           "--context", "24", "--iters", "3", "--control", "socket,gloo", "--batches", "1,2", "--out", str(tmp_path)]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| tiny |")]
-    assert [r.split("|")[2].strip() for r in rows] == ["1", "1", "2", "2"], out.stdout  # TP, for T = 1 and 5
+    assert [r.split("|")[2].strip() for r in rows] == ["1"] * 4 + ["2"] * 4, out.stdout  # TP, for B = 1, 2 x T = 1, 5
     assert "driven (socket)" in out.stdout and "driven (gloo)" in out.stdout
     import json
 
-    rows = json.loads((tmp_path / "tp_bench_tiny_tp2.json").read_text())["rows"]
+    rows = [r for r in json.loads((tmp_path / "tp_bench_tiny_tp2.json").read_text())["rows"] if r["B"] == 1]
     assert all(r["driven_socket_ms"] > 0 and r["driven_gloo_ms"] > 0 for r in rows)  # both channels drove steps
     assert all(r["synced_ms"] > 0 for r in rows)
     sys.path.insert(0, str(ROOT / "ops"))
@@ -32,7 +32,9 @@ def test_tp_bench_smoke_on_cpu(tmp_path):
     tp1, tp2 = (tp_bench.logits_diff(tmp_path, "tiny", n, "fp32") for n in (1, 2))
     assert tp1["argmax_agree"] == 1.0 and tp2["argmax_agree"] == 1.0
     assert tp2["rel_to_max_logit"] < 0.05  # bf16 TP=2 vs the fp32 model: bf16-sized error
-    assert set(torch.load(tmp_path / "logits_tiny_tp2.pt")) == {"T1", "T5"}
+    got = torch.load(tmp_path / "logits_tiny_tp2.pt")
+    assert set(got) == {"T1", "T5", "B2T1", "B2T5"} and got["B2T5"].shape[:2] == (2, 5)
+    assert (got["B2T1"][:1] - got["T1"]).abs().max() < 0.05 * got["T1"].abs().max()  # row 0 alone or in a batch
 
 
 def _trace(kernels: list[tuple[str, int, float, float]]) -> dict:

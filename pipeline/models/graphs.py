@@ -233,6 +233,9 @@ class GraphCausalLM:
         self.attention = resolve_attention(cfg.attention, self.device)
         self.linear_kind = resolve_linear(cfg.linear, self.device)
         self.fused_layer = self._resolve_fused_layer(on_cuda)
+        # The fused layer for every call of up to 16 rows even where `fused_layer` is None (the tensor-parallel
+        # wrapper sets it with its fused all-reduce: the other path's sums cost far more than the layer saves).
+        self.fused_all_rows = False
         if cfg.weights not in ("model", "fp8"):
             raise ValueError(f"weights must be 'model' or 'fp8', got {cfg.weights!r}")
         if cfg.weights == "fp8" and not self.fused_layer:
@@ -470,7 +473,8 @@ class GraphCausalLM:
     ) -> None:
         a = self.args
         B, T = tokens.shape
-        if self.fused_layer and B * T <= fl.LAYER_MAX_ROWS and (self.config.fused_layer or self._fp8 or B == 1):
+        if self.fused_layer and B * T <= fl.LAYER_MAX_ROWS and (self.config.fused_layer or self._fp8 or B == 1
+                                                                 or self.fused_all_rows):
             self.stats.fused_runs += 1
             return self._fused_forward(tokens, positions, slots, S, out)
         Hkv, D, L = a.n_kv_heads, a.head_dim, self.max_len

@@ -643,6 +643,10 @@ def tensor_parallel_graphs(runner: LlamaCausalLM, config: Any = None, allreduce:
             fused = False
     if not fused:
         g.fused_layer = False  # the fused layer has no all-reduce between its linears: the swapped math below serves
+    # Every call of up to 16 rows takes the fused layer, not only batch 1's: the swapped math's sums (a kernel
+    # copy, an all-reduce kernel, the residual add) cost more than the layer saves at TP=1 (BENCHMARKS.md issue 6,
+    # Update 10).
+    g.fused_all_rows = fused
 
     def attn_proj(y: torch.Tensor, wo: torch.Tensor, bo: Optional[torch.Tensor], T: int, lk: str) -> torch.Tensor:
         B, Hkv, GT, D = y.shape  # [B, Hkv, G*T, D] -> [B, T, H*D] (query index g*T + t)
