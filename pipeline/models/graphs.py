@@ -71,7 +71,8 @@ class GraphConfig:
     # The fused decoder layer (pipeline.models.fused_linear: norms, activation and residuals inside the linears'
     # kernels, seven Triton kernels a layer) for half-precision weights. True: every call of up to 16 rows
     # (B * T); None: on CUDA with the Triton attention and fused RoPE, for batch-1 calls (one row's decode or
-    # verify: 1-3% faster on an H100; at batch 4-16 it measured up to 2% slower, BENCHMARKS.md issue 5)
+    # verify: 1-3% faster on an H100; at batch 4-16 it measured up to 2% slower, BENCHMARKS.md issue 5); tensor-
+    # parallel graphs with the fused all-reduce take it for every call of up to 16 rows (`fused_all_rows`)
     fused_layer: bool | None = None
     # Programmatic dependent launch of the Triton kernels (pipeline.models.pdl); None: where the GPU has it
     pdl: bool | None = None
