@@ -643,9 +643,9 @@ def tensor_parallel_graphs(runner: LlamaCausalLM, config: Any = None, allreduce:
             fused = False
     if not fused:
         g.fused_layer = False  # the fused layer has no all-reduce between its linears: the swapped math below serves
-    # Every call of up to 16 rows takes the fused layer, not only batch 1's: the swapped math's sums (a kernel
-    # copy, an all-reduce kernel, the residual add) cost more than the layer saves at TP=1 (BENCHMARKS.md issue 6,
-    # Update 10).
+    # Every call of up to 16 rows takes the fused layer, not only batch 1's: the swapped math's sums (a copy, an
+    # all-reduce kernel, the residual add, twice a layer) cost more than the unfused layer gains over the fused one
+    # at batch 4-16 at TP=1 (batch-8 decode at TP=2: 4.47 -> 3.70 ms; BENCHMARKS.md issue 6, Update 10).
     g.fused_all_rows = fused
 
     def attn_proj(y: torch.Tensor, wo: torch.Tensor, bo: Optional[torch.Tensor], T: int, lk: str) -> torch.Tensor:

@@ -25,9 +25,9 @@ kept for comparison): each producer program, after a barrier, added 1 to every r
 counters reached `epoch * ranks`. A system-scope release has to see the program's remote writes land before its
 atomics go out, so the signal follows the data instead of travelling with it. Measured on 4x H100 (BENCHMARKS.md
 issue 6, Update 10; batch-1 decode, the Llama-3-8B shape), the same logits to the bit: TP=2 3.404 -> 3.225 ms in
-one process pair, TP=4 2.21 (Update 9) -> 1.988 ms, 70B at TP=4 14.2 (Update 9) -> 13.5 ms. Per layer (`ops/step_timeline.py`) the output projection's exposed time
-fell from 11.5 to 7.4 us and the down projection's from 24.5 to 21.5; the reduces' rose from 1.9 to 4.0 (they now
-do the waiting).
+one process pair, TP=4 2.21 (Update 9) -> 1.988 ms, 70B at TP=4 14.2 (Update 9) -> 13.5 ms. Per layer
+(`ops/step_timeline.py`) the output projection's exposed time fell from 11.5 to 7.4 us and the down projection's
+from 24.5 to 21.5; the reduces' rose from 1.9 to 4.0 (they now do the waiting).
 
 Before (stop 17): one counter a site, bumped by the producer's last program (a ticket on its GPU), and a reduce
 of 4 programs of 1024 columns behind a PDL wait. Per-unit counters make a reduce program wait only for the
@@ -127,10 +127,9 @@ class SiteBuffers:
 
     def begin(self) -> None:
         """Start a forward: epoch += 1 (one kernel, ordinary stream order; nothing with the data wait)."""
-        from pipeline.models import fused_linear_triton as kern
-
         if self.wait == "data":
             return
+        from pipeline.models import fused_linear_triton as kern
 
         kern.bump_epoch_kernel[(1,)](self.epoch)
 
