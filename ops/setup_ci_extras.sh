@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# System packages the ops tests need (tests/test_ops_ray_up.py): an SSH server and rsync for `ray up` with
+# System packages the ops tests need (tests/ops/test_ray_up.py): an SSH server and rsync for `ray up` with
 # Ray's local provider. Idempotent; Debian/Ubuntu; run as root (CI runs as root). The test itself starts
 # sshd on 127.0.0.1:22 when none listens, with a throwaway key, and cleans up after itself.
 set -euo pipefail

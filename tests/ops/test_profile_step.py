@@ -7,8 +7,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_profile_step_on_cpu(tmp_path):

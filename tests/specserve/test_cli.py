@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.compat import IncompatibleDrafter, check_compatible
 from pipeline.models.loader import load_model
-from pipeline.models.testing import make_tiny_llama
+from tests.support.models import make_tiny_llama
 
 
 def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

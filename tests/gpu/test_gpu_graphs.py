@@ -21,7 +21,7 @@ from pipeline.models.graphs import GraphCausalLM, GraphConfig
 from pipeline.models.llama import LlamaCausalLM
 from pipeline.models.shapes import SHAPES, random_llama
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 # 1B-shaped layers (GQA 32/8, head_dim 64), fewer of them and a smaller vocabulary: quick to build and capture.
 SMALL = replace(SHAPES["llama-1b"], n_layers=4, vocab_size=4096)
@@ -194,10 +194,10 @@ def test_fp8_weights_give_the_bf16_fused_layer_where_float8_is_exact():
 def test_fp8_widened_by_its_bits_gives_the_hardware_conversions_bits():
     """One-row float8 products widen e4m3 by integer operations on its bits (`fused_linear.FP8_WIDEN`): on the GPU,
     with every finite code (subnormals too, so a flush to zero would show), the same output bits as the hardware
-    conversion; the CPU interpreter runs the same case in CI (tests/_graph_kernel_cases.py)."""
+    conversion; the CPU interpreter runs the same case in CI (tests/support/graph_kernel_cases.py)."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("float8 needs compute capability 8.9+")
-    import _graph_kernel_cases as cases
+    from tests.support import graph_kernel_cases as cases
 
     import pipeline.models.fused_linear as fl
 
@@ -388,7 +388,7 @@ def test_engine_warmup_leaves_no_capture_to_the_steps():
 def test_tp_fused_allreduce_on_the_gpu(wait):
     """The fused all-reduce's push and reduce (`pipeline.models.tp_fused`) with GPU memory and loads: two and three
     ranks simulated on one GPU against the eager bf16 math (the case CI runs in the interpreter)."""
-    import _graph_kernel_cases as cases
+    from tests.support import graph_kernel_cases as cases
 
     import pipeline.models.fused_linear as fl
 
@@ -406,11 +406,11 @@ def test_tp_reduce_traps_instead_of_hanging_when_a_rank_never_writes():
     import sys
     from pathlib import Path
 
-    tests = Path(__file__).resolve().parent
-    env = {**os.environ, "SPECSERVE_TP_SPIN_TIMEOUT_S": "1", "PYTHONPATH": f"{tests.parent}{os.pathsep}{tests}"}
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "SPECSERVE_TP_SPIN_TIMEOUT_S": "1", "PYTHONPATH": str(root)}
     runs = {}
     for all_push in (True, False):
-        code = f"import sys, _graph_kernel_cases as c; sys.exit(c.tp_missing_rank_main({all_push}))"
+        code = f"import sys; from tests.support import graph_kernel_cases as c; sys.exit(c.tp_missing_rank_main({all_push}))"
         runs[all_push] = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                                         timeout=300)
     ok, missing = runs[True], runs[False]

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from _serve_support import redis_url, run_app, sse_events, tiny_engine, wait_for
+from tests.support.serve import redis_url, run_app, sse_events, tiny_engine, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from _serve_support import run_app, sse_events
+from tests.support.serve import run_app, sse_events
 
 pytestmark = pytest.mark.slow
 

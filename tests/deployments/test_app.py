@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from _serve_support import redis_url, replica_actor, run_app, sse_events, tiny_engine, wait_for
+from tests.support.serve import redis_url, replica_actor, run_app, sse_events, tiny_engine, wait_for
 
 pytestmark = pytest.mark.slow
 

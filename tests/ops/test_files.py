@@ -10,8 +10,9 @@ from pathlib import Path
 import yaml
 
 from deployments import metrics
+from tests.support import ROOT
 
-OPS = Path(__file__).resolve().parent.parent / "ops"
+OPS = ROOT / "ops"
 
 
 def test_compose_services_ports_and_mounted_files():

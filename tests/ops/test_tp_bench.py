@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_tp_bench_smoke_on_cpu(tmp_path):

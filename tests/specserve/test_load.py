@@ -15,8 +15,9 @@ import pytest
 from fastapi import Request  # module level: FastAPI resolves the (string) annotation from here
 
 from specserve import load
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(ROOT)
 CHUNK_GAP_S = 0.02
 CHUNKS = ("Hel", "lo wor", "ld", "!")  # 4 content chunks, 10 tokens in all (usage says so)
 

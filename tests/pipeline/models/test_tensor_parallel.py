@@ -12,7 +12,7 @@ import signal
 import pytest
 import torch
 
-from _tp_support import (
+from tests.support.tp import (
     LONG, MAX_LEN, SLOTS, compare_ranks, leader_lost, long_prompt, make_odd_llama, script, spawn, wait_file,
 )
 from pipeline.models.llama import LlamaArgs
@@ -74,7 +74,7 @@ def test_plan_and_slices_for_an_uneven_model():
 
 @pytest.fixture(scope="module")
 def models(tiny_models, demo_path, tmp_path_factory):
-    from pipeline.models.testing import make_tiny_llama
+    from tests.support.models import make_tiny_llama
 
     root = tmp_path_factory.mktemp("tp_models")
     return {

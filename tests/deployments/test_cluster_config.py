@@ -14,8 +14,8 @@ import pytest
 import yaml
 
 from deployments import cluster_config as cc
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 

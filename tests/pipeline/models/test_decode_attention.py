@@ -2,10 +2,10 @@
 
 The SDPA reference against a per-row loop (always), the dispatch and split planning (always), and the Triton
 split-KV kernel against the reference under Triton's CPU interpreter (skipped without triton): the kernel
-cases run in one child process with TRITON_INTERPRET=1 (tests/_decode_attention_cases.py says why), ragged
+cases run in one child process with TRITON_INTERPRET=1 (tests/support/decode_attention_cases.py says why), ragged
 positions, slots in arbitrary order, a padding row on the scratch slot, T in {1, 5}, G in {1, 3, 4, 8},
 window on/off, S not a multiple of the chunk, float32/bf16/fp16, plus a tiny model's static path with
-attention='triton' against 'sdpa' and the eager runner. The GPU checks are in tests/test_gpu_graphs.py and
+attention='triton' against 'sdpa' and the eager runner. The GPU checks are in tests/gpu/test_gpu_graphs.py and
 ops/check_decode_attention.py.
 """
 
@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import _decode_attention_cases as cases
-from _interpreter import run_interpreted
+from tests.support import decode_attention_cases as cases
+from tests.support.interpreter import run_interpreted
 from pipeline.models import decode_attention as da
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 

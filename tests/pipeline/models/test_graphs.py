@@ -2,7 +2,7 @@
 requests joining and leaving between steps, all exactly equal to unbatched greedy decoding.
 
 On CPU the static path runs without capture (`GraphConfig(graphs=False)`): same shapes, same padding, same
-scratch slot and bucketed key length as the captured CUDA graphs; tests/gpu_graphs_check.py checks capture.
+scratch slot and bucketed key length as the captured CUDA graphs; tests/gpu/test_gpu_graphs.py checks capture.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pipeline.drafters import ModelDrafter, PromptLookupDrafter
 from pipeline.engine import SpeculativeEngine
 from pipeline.models.graphs import GraphCausalLM, GraphConfig, bucket, maybe_graphs, plan_shape
 from pipeline.models.loader import load_model
-from pipeline.models.testing import make_tiny_gpt2, make_tiny_llama
+from tests.support.models import make_tiny_gpt2, make_tiny_llama
 
 STATIC = GraphConfig(graphs=False, compile=False, batch_buckets=(1, 2, 4, 8), token_buckets=(1, 2, 4, 8), kv_block=16)
 

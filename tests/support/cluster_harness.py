@@ -27,7 +27,8 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support import ROOT
+
 MARK_ENV = "SPECSERVE_TEST_CLUSTER"
 HOME = Path.home()
 

@@ -1,4 +1,4 @@
-"""Running a cases file under Triton's CPU interpreter, in a child process (see tests/_decode_attention_cases.py
+"""Running a cases file under Triton's CPU interpreter, in a child process (see tests/support/decode_attention_cases.py
 for why: the interpreter mode is fixed per process when triton is first imported)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_interpreted(cases_file: str) -> dict:

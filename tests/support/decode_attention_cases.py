@@ -1,8 +1,8 @@
-"""Cases of tests/test_decode_attention.py, run in a child process under Triton's CPU interpreter.
+"""Cases of tests/pipeline/models/test_decode_attention.py, run in a child process under Triton's CPU interpreter.
 
 Triton's interpreter mode is fixed per process when triton is first imported (TRITON_INTERPRET=1), and a
 process in that mode must never run the compiled kernels (the GPU tests of the same pytest run): so the test
-module runs this file as `TRITON_INTERPRET=1 python tests/_decode_attention_cases.py` and reads one JSON line.
+module runs this file as `TRITON_INTERPRET=1 python tests/support/decode_attention_cases.py` and reads one JSON line.
 
 Each case compares `triton_slot_attention` with the reference (`sdpa_slot_attention` in float32 over the same,
 upcast inputs) on a cache with several slots: rows in arbitrary slot order, ragged positions, padding rows

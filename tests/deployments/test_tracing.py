@@ -12,8 +12,9 @@ import threading
 import pytest
 
 from deployments import tracing
+from tests.support import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(ROOT)
 
 
 @pytest.fixture

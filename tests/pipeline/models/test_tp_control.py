@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipeline.models.tp_control import INLINE, open_control, parse_control
+from tests.support import ROOT
 
 # (header, payload): a decode step, a verify step of two rows, a no-op, a prefill longer than gloo's inline ids
 MESSAGES = [([1, 1, 1, 0, 0, 0], [7, 512, 3]),
@@ -105,7 +106,7 @@ def test_the_control_channel_benchmark_runs_and_prints_its_table(tmp_path):
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     out = subprocess.run([sys.executable, "ops/tp_control_bench.py", "--ranks", "2", "--messages", "20",
                           "--gap-ms", "1", "--json", str(tmp_path / "c.json")],
                          cwd=root, capture_output=True, text=True, timeout=120)

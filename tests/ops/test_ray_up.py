@@ -9,7 +9,7 @@ receiver), then, on that one deployment:
   counters that agree with what the responses reported;
 - `ray down` leaves nothing running.
 One launch for all of it (about 3 minutes here). Needs openssh-server and rsync (ops/setup_ci_extras.sh);
-tests/ops_cluster_harness.py says what the launch sets up on the machine and removes afterwards.
+tests/support/cluster_harness.py says what the launch sets up on the machine and removes afterwards.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import httpx
 import pytest
 import yaml
 
-from ops_cluster_harness import (
+from tests.support.cluster_harness import (
     ROOT, LocalCluster, alive, cluster_processes, free_port, listeners, missing_tools, port_open,
 )
 

@@ -13,8 +13,8 @@ from pipeline.distill.evaluate import acceptance_report, simulate
 from pipeline.distill.generate import SampleSet
 from pipeline.distill.train import collate, epoch_batches
 from pipeline.distill.vocab import coverage, draft_vocabulary
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "drafters" / "smollm2-135m-distill"
 
 
@@ -89,7 +89,7 @@ def test_epoch_batches_cover_every_sample_once_within_budget():
 def distilled(tmp_path_factory):
     from pipeline.distill.config import DistillConfig
     from pipeline.distill.run import distill
-    from pipeline.models.testing import make_tiny_llama
+    from tests.support.models import make_tiny_llama
 
     root = tmp_path_factory.mktemp("distill")
     target = make_tiny_llama(root / "target", vocab_size=96, hidden=32, layers=3, heads=4, kv_heads=2, tie=True,
@@ -249,7 +249,7 @@ def gen_target(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     from pipeline.distill.generate import generate_answers
-    from pipeline.models.testing import make_tiny_llama
+    from tests.support.models import make_tiny_llama
 
     path = make_tiny_llama(tmp_path_factory.mktemp("gen") / "t", vocab_size=96, hidden=32, layers=2, heads=4,
                            kv_heads=2, tie=True, max_position_embeddings=256, seed=5)

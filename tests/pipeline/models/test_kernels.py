@@ -3,7 +3,7 @@
 
 Always: the configuration planning of the linear kernel, the dispatch ('torch' is F.linear, rows past MAX_ROWS
 fall back), and the RoPE reference against the eager model's own attention input. Under Triton's CPU
-interpreter (skipped without triton; one child process, see tests/_decode_attention_cases.py): the linear
+interpreter (skipped without triton; one child process, see tests/support/decode_attention_cases.py): the linear
 kernel against F.linear (1 to 40 rows, ragged N and K, bias, 1 to 8 splits, a transposed input, fp32/bf16/
 fp16), the fused RoPE/cache write against the reference (GQA, MHA, MQA, T = 1..5, an odd head_dim, and no
 write outside the rows' positions), a tiny model's static path with every kernel on against the
@@ -19,10 +19,11 @@ import importlib.util
 import pytest
 import torch
 
-import _graph_kernel_cases as cases
-from _interpreter import run_interpreted
+from tests.support import graph_kernel_cases as cases
+from tests.support.interpreter import run_interpreted
 from pipeline.models import skinny_linear as sl
 from pipeline.models.rope_write import torch_rope_write
+from tests.support import ROOT
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -96,7 +97,7 @@ def test_gpu_bench_scripts_refuse_in_one_line(script, bad_args, first_words):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     bad = subprocess.run([sys.executable, f"ops/{script}.py", *bad_args], cwd=root, capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr

@@ -15,7 +15,8 @@ import torch
 from pipeline.models import store
 from pipeline.models.base import CausalLM
 from pipeline.models.loader import load_model
-from pipeline.models.testing import make_tiny_gpt2, make_tiny_llama
+from tests.support.models import make_tiny_gpt2, make_tiny_llama
+from tests.support import ROOT
 
 transformers = pytest.importorskip("transformers")
 
@@ -251,11 +252,11 @@ def test_loader_errors(tmp_path):
 def test_pipeline_models_import_no_serving_deps():
     code = (
         "import sys, pipeline.models.loader, pipeline.models.llama, pipeline.models.hf_generic, "
-        "pipeline.models.store, pipeline.models.testing\n"
+        "pipeline.models.store, tests.support.models\n"
         "bad = [m for m in ('ray', 'redis', 'fastapi', 'opentelemetry', 'deployments') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
 @pytest.mark.slow

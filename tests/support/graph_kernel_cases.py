@@ -1,5 +1,5 @@
-"""Cases of tests/test_graph_kernels.py, run in a child process under Triton's CPU interpreter (see
-tests/_decode_attention_cases.py for why a child process): the skinny-linear kernel against F.linear, the
+"""Cases of tests/pipeline/models/test_kernels.py, run in a child process under Triton's CPU interpreter (see
+tests/support/decode_attention_cases.py for why a child process): the skinny-linear kernel against F.linear, the
 fused RoPE + cache-write kernel against the reference, and the fused-layer linear (each mode) and a tiny bf16
 model's fused layer against the eager math, printed as one JSON line.
 """
@@ -94,7 +94,7 @@ def rope_case(torch, rw, B, T, H, Hkv, D, dtype_name) -> dict:
 
 
 def fused_case(torch, fl, mode, M, N, K, bias) -> dict:
-    """One mode of `fused_linear` in bf16 against the eager layer's own bf16 math (tests/test_graph_kernels.py)."""
+    """One mode of `fused_linear` in bf16 against the eager layer's own bf16 math (tests/pipeline/models/test_kernels.py)."""
     got, want = _fused_run(torch, fl, mode, M, N, K, bias)
     assert got.shape == want.shape, (got.shape, want.shape)
     err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
@@ -347,7 +347,7 @@ def fused_graph_case(torch, case: str) -> dict:
     """A tiny bf16 model's static path with the fused layer against the unfused static path (same kernels
     otherwise) and the eager runner: logits within bf16 tolerance of the largest logit, the fused layer used.
     fp8: weights that float8 holds exactly; the float8 layer must then give the bf16 fused layer's logits."""
-    from _decode_attention_cases import compare_static_paths
+    from tests.support.decode_attention_cases import compare_static_paths
 
     from pipeline.models.graphs import GraphCausalLM, GraphConfig
     from pipeline.models.shapes import SHAPES, random_llama
@@ -410,7 +410,7 @@ def graph_case(torch) -> dict:
                                    replace(cfg, attention="sdpa", linear="torch")),
         "eager": random_llama(args, "cpu", torch.float32, seed=5),
     }
-    from _decode_attention_cases import compare_static_paths
+    from tests.support.decode_attention_cases import compare_static_paths
 
     err, argmax_equal = compare_static_paths(torch, models, "kernels", ("reference", "eager"))
     return {"err": err, "tol": 1e-4, "ok": argmax_equal and models["kernels"].stats.graph_calls >= 3}
