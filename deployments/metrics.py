@@ -13,7 +13,7 @@ Cost: the record functions only add to dicts under one lock (a few microseconds 
 thread pushes the sums and observations to the backend every FLUSH_INTERVAL_S (`flush()` does it now).
 Gauges are set directly.
 
-Vocabulary (docs/ARCHITECTURE.md): per step a row proposes `num_draft` tokens, a prefix of `num_accepted`
+Vocabulary (docs/architecture.md): per step a row proposes `num_draft` tokens, a prefix of `num_accepted`
 is accepted and one recovered or bonus token follows, so `emitted = num_accepted + 1`.
     acceptance rate        = accepted_tokens_total / draft_tokens_total
     mean accepted tokens   = emitted_tokens_total / steps_total   (tokens per target pass, Spec-Bench's "tau")

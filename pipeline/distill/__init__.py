@@ -1,4 +1,4 @@
-"""Distil a small drafter from a target (issue 8): `specserve distill`.
+"""Distil a small drafter from a target: `specserve distill`.
 
     data (generate.py)  the target answers offline prompts (sequence-level knowledge distillation)
     vocab (vocab.py)    the draft's output vocabulary: the target's most frequent answer tokens
