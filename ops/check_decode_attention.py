@@ -1,4 +1,4 @@
-"""GPU check of the graph path's slot attention (issue 5): the Triton split-KV kernel against the SDPA reference,
+"""GPU check of the graph path's slot attention: the Triton split-KV kernel against the SDPA reference,
 correctness and speed, one table.
 
     python3 ops/check_decode_attention.py [--out $OUT] [--quick]

@@ -1,4 +1,4 @@
-"""GPU check of the graph path's few-row linears (issue 5/6): the split-K Triton kernel against F.linear
+"""GPU check of the graph path's few-row linears: the split-K Triton kernel against F.linear
 (cuBLAS), correctness and speed per weight shape, one table.
 
     python3 ops/check_skinny_linear.py [--out $OUT] [--rows 1,5,16] [--sets 8b,1b,8b-tp2,8b-tp4,70b-tp4]

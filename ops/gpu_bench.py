@@ -1,4 +1,4 @@
-"""GPU benchmark of the decode path (issue 5), one command on the GPU machine, a table at the end.
+"""GPU benchmark of the decode path, one command on the GPU machine, a table at the end.
 
     python3 ops/gpu_bench.py --part steps --out $OUT          # step latencies, floors, HF baselines
     python3 ops/gpu_bench.py --part steps --attention triton,sdpa --out $OUT   # ours with each attention
@@ -15,11 +15,11 @@ split-KV kernel reading the cache in place, sdpa = slot gather + SDPA, auto = th
 variants (`VARIANTS`: prev = triton attention with cuBLAS linears and the unfused RoPE/cache write, rope = +
 the fused RoPE/cache write, kernels = + the tuned skinny linears, fused = the fused layer of
 `pipeline.models.fused_linear` with programmatic dependent launch on every call of up to 16 rows (auto takes
-it for batch-1 calls), fused-nopdl = without PDL, fused-early = PDL letting the next kernel launch as soon as
-a kernel has waited, fused-pf8 = + an 8 MB L2 weight prefetch per kernel before it waits, fused-fp8 = the
-fused layer streaming float8 weight copies, a drafter's option, checked against the first variant's bf16 8B
-step): one table row, one profile and one set of checks per variant (checks of a variant past the first are
-suffixed).
+it for batch-1 calls), fused-nopdl = without PDL, fused-[no]preload = every linear's first weight tile loaded
+before the PDL wait, or none (`GraphConfig.pdl_preload`; default: float8 weights only), fused-nogemv = one-row
+calls on the tensor cores only (`GraphConfig.gemv=False`), fused-fp8 = the fused layer streaming float8 weight
+copies, a drafter's option, checked against the first variant's bf16 8B step): one table row, one profile and
+one set of checks per variant (checks of a variant past the first are suffixed).
 demo: the demo target and the default drafter (prompt lookup) end to end, greedy: this engine vs HF generate
 vs HF assisted generation with the same drafter (`specserve.bench.run_bench`); then 32 concurrent requests
 with speculation off, on at fixed K and on with the adaptive K policy: aggregate tokens/s.
@@ -103,45 +103,34 @@ def floor_ms(shape: str, B: int, T: int, context: int, bw_GBps: float, weight_sc
 
 # Graph-runner variants `--attention` may name besides a plain attention kind (auto, triton, sdpa):
 VARIANTS = {
-    "prev": {"attention": "triton", "linear": "torch", "fused_rope": False, "fused_layer": False},  # 06:40's
+    "prev": {"attention": "triton", "linear": "torch", "fused_rope": False, "fused_layer": False},  # the baseline
     "rope": {"attention": "triton", "linear": "torch", "fused_rope": True, "fused_layer": False},  # + RoPE/cache
     "kernels": {"attention": "triton", "linear": "auto", "fused_rope": True, "fused_layer": False},  # + linears
     # the fused layer (pipeline.models.fused_linear) with programmatic dependent launch, and its alternatives
     "fused": {"attention": "triton", "fused_rope": True, "fused_layer": True},
     "fused-nopdl": {"attention": "triton", "fused_rope": True, "fused_layer": True, "pdl": False},
-    "fused-early": {"attention": "triton", "fused_rope": True, "fused_layer": True, "_late_trigger": False},
-    "fused-pf8": {"attention": "triton", "fused_rope": True, "fused_layer": True, "_prefetch_mb": 8},
-    "fused-nopreload": {"attention": "triton", "fused_rope": True, "fused_layer": True, "_preload": "off"},
-    "fused-preload": {"attention": "triton", "fused_rope": True, "fused_layer": True, "_preload": "on"},
+    "fused-nopreload": {"attention": "triton", "fused_rope": True, "fused_layer": True, "pdl_preload": "off"},
+    "fused-preload": {"attention": "triton", "fused_rope": True, "fused_layer": True, "pdl_preload": "on"},
+    "fused-nogemv": {"attention": "triton", "fused_rope": True, "fused_layer": True, "gemv": False},
     # float8 weights with row scales: for drafters (their precision moves acceptance, never the output)
     "fused-fp8": {"attention": "triton", "fused_rope": True, "fused_layer": True, "weights": "fp8"},
     "fused-fp8-nopreload": {"attention": "triton", "fused_rope": True, "fused_layer": True, "weights": "fp8",
-                            "_preload": "off"},
+                            "pdl_preload": "off"},
     "fused-fp8-preload": {"attention": "triton", "fused_rope": True, "fused_layer": True, "weights": "fp8",
-                          "_preload": "on"},
+                          "pdl_preload": "on"},
+    "fused-fp8-nogemv": {"attention": "triton", "fused_rope": True, "fused_layer": True, "weights": "fp8",
+                         "gemv": False},
 }
 
 
 def variant_config(name: str) -> GraphConfig:
-    """The variant's GraphConfig; also sets the fused layer's process-wide launch settings (L2 prefetch budget,
-    PDL trigger; read when a shape is captured) to the variant's, or the defaults."""
-    import pipeline.models.fused_linear as fl
-
-    v = dict(VARIANTS.get(name, {"attention": name}))
-    fl.PREFETCH_BYTES = int(float(v.pop("_prefetch_mb", _DEFAULT_PREFETCH_MB)) * (1 << 20))
-    fl.LATE_TRIGGER = v.pop("_late_trigger", _DEFAULT_LATE_TRIGGER)
-    fl.PRELOAD = v.pop("_preload", _DEFAULT_PRELOAD)
-    return GraphConfig(**v)
+    """The variant's GraphConfig (a plain attention kind: that attention, everything else default)."""
+    return GraphConfig(**VARIANTS.get(name, {"attention": name}))
 
 
 def _is_fp8(variant: str | None) -> bool:
     """Whether a variant streams float8 weights (its floor counts one byte per weight)."""
     return VARIANTS.get(variant or "", {}).get("weights") == "fp8"
-
-
-_DEFAULT_PREFETCH_MB = os.environ.get("SPECSERVE_PDL_PREFETCH_MB", "0")
-_DEFAULT_LATE_TRIGGER = os.environ.get("SPECSERVE_PDL_TRIGGER", "late") == "late"
-_DEFAULT_PRELOAD = os.environ.get("SPECSERVE_PDL_PRELOAD", "auto")
 
 
 def variant_label(name: str, graph: GraphCausalLM) -> str:
@@ -488,7 +477,7 @@ def _floor(rows: list[dict], model: str, B: int, T: int, attention: str | None =
 
 
 def checks(rows: list[dict], attention: str | None = None, suffix: str = "") -> list[dict]:
-    """The issue's step-latency targets, each with its measured value (None: not measured)."""
+    """The step-latency targets, each with its measured value (None: not measured)."""
     g = lambda m, B, T: _ms(rows, "ours-graph", m, B, T, attention)  # noqa: E731
     out = []
 

@@ -1,9 +1,9 @@
-"""Where the fused decoder layer's linears lose time against the bandwidth floor (issues 5 and 6), one GPU.
+"""Where the fused decoder layer's linears lose time against the bandwidth floor, one GPU.
 
     python3 ops/linear_chain_bench.py --out $OUT                      # 8b, 1b, 8b-tp2 per-rank shapes, M = 1, 5
-    python3 ops/linear_chain_bench.py --sets 1b --rows 1 --variants late,eager
+    python3 ops/linear_chain_bench.py --sets 1b --rows 1 --variants late,nonorm
     python3 ops/linear_chain_bench.py --sets 8b-tp2 --configs        # also every candidate configuration
-    SPECSERVE_GEMV=off python3 ops/linear_chain_bench.py --sets 1b,8b --rows 1 --weights bf16,fp8   # tensor cores
+    python3 ops/linear_chain_bench.py --sets 1b,8b --rows 1 --weights bf16,fp8 --gemv off   # tensor cores only
 
 A batch-1 step is a chain of small kernels; each pays its bytes over bandwidth plus a fixed cost (launch, the
 first loads in flight, the last wave's tail). This script times the chain without attention or RoPE, so the
@@ -19,12 +19,11 @@ L2, so every layer streams from memory).
 - "sweep": plain linears, K = 4096, N from 1024 to 16384; a least-squares line through (bytes, time per kernel)
   gives the fixed cost per kernel (intercept, us) and the streaming bandwidth (1 / slope).
 
-Variants (`--variants`): "late" (the RMSNorm prologue multiplies x by the norm weight in the K loop, and the sums
-by each row's 1/rms after it), "eager" (x * 1/rms rounded, then times the weight, rounded, in the loop: the eager
-roundings), "nopdl" (late, launched without PDL), "nonorm" (no RMSNorm prologue at all: what the norm costs).
-`--weights fp8` times the same layers with float8 weights and row scales (a drafter's, `GraphConfig(weights="fp8")`;
-the set is named "<set>-fp8"). One-row calls take the CUDA-core product unless `SPECSERVE_GEMV=off`
-(`fused_linear.GEMV`).
+Variants (`--variants`): "late" (the layer as the graph path runs it: the RMSNorm prologue multiplies x by the norm
+weight in the K loop, and the sums by each row's 1/rms after it), "nopdl" (launched without PDL), "nonorm" (no
+RMSNorm prologue at all: what the norm costs). `--weights fp8` times the same layers with float8 weights and row
+scales (a drafter's, `GraphConfig(weights="fp8")`; the set is named "<set>-fp8"). One-row calls may take the
+CUDA-core product unless `--gemv off` (`GraphConfig.gemv`).
 floor = weight bytes / copy bandwidth of the card (`kernel_timing.copy_GBps`: a 4 GiB device-to-device
 copy, bytes read + written over time).
 """
@@ -55,8 +54,7 @@ SETS = {
     "8b-tp4": (4096, 1024, 512, 3584),
 }
 KINDS = ("layer", "qkv", "o", "gate_up", "down")
-VARIANTS = ("late", "eager", "nopdl", "nonorm")
-NORM_LATE = fl.NORM_LATE
+VARIANTS = ("late", "nopdl", "nonorm")
 
 
 def log(msg: str) -> None:
@@ -93,7 +91,7 @@ class Layers:
         return per[kind].numel() * per[kind].element_size()
 
     def chain(self, kind: str, M: int, use_pdl: bool, norm: bool,
-              config: fl.FusedConfig | None = None) -> Callable[[], None]:
+              config: fl.FusedConfig | None = None, gemv: bool = True) -> Callable[[], None]:
         x = rand(M, self.D)
         qkv = torch.zeros(M, self.qkv[0].shape[0], dtype=torch.bfloat16, device="cuda")
         h = torch.empty(M, self.I, dtype=torch.bfloat16, device="cuda")
@@ -105,21 +103,21 @@ class Layers:
             for i in range(len(self.qkv)):
                 if kind in ("layer", "qkv"):
                     fl.fused_linear(x, self.qkv[i], norm_w=self.n1[i] if norm else None, out=qkv, use_pdl=use_pdl,
-                                    config=config, w_scale=sc(id(self.qkv[i])))
+                                    config=config, w_scale=sc(id(self.qkv[i])), gemv=gemv)
                 if kind in ("layer", "o"):
                     fl.fused_linear(q, self.o[i], residual=x, out=x, use_pdl=use_pdl, config=config,
-                                    w_scale=sc(id(self.o[i])))
+                                    w_scale=sc(id(self.o[i])), gemv=gemv)
                 if kind in ("layer", "gate_up"):
                     fl.fused_linear(x, self.gu[i], norm_w=self.n2[i] if norm else None, gate=True, out=h,
-                                    use_pdl=use_pdl, config=config, w_scale=sc(id(self.gu[i])))
+                                    use_pdl=use_pdl, config=config, w_scale=sc(id(self.gu[i])), gemv=gemv)
                 if kind in ("layer", "down"):
                     fl.fused_linear(h, self.down[i], residual=x, out=x, use_pdl=use_pdl, config=config,
-                                    w_scale=sc(id(self.down[i])))
+                                    w_scale=sc(id(self.down[i])), gemv=gemv)
 
         return run
 
 
-def sweep(M: int, use_pdl: bool, total_mb: int = 1024) -> dict:
+def sweep(M: int, use_pdl: bool, total_mb: int = 1024, gemv: bool = True) -> dict:
     """Fixed cost and streaming bandwidth of plain linears, from a line through (bytes, us per kernel)."""
     K, pts = 4096, []
     for N in (1024, 2048, 4096, 8192, 16384):
@@ -129,7 +127,7 @@ def sweep(M: int, use_pdl: bool, total_mb: int = 1024) -> dict:
 
         def run() -> None:
             for w in ws:
-                fl.fused_linear(x, w, out=y, use_pdl=use_pdl)
+                fl.fused_linear(x, w, out=y, use_pdl=use_pdl, gemv=gemv)
 
         pts.append((N * K * 2, captured_ms(run, reps=20) * 1e3 / n))
         ws.clear()
@@ -149,8 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--configs", action="store_true", help="also time every candidate configuration per kernel")
     p.add_argument("--weights", default="bf16", help="bf16, fp8 (float8 e4m3 with row scales, a drafter's), or both")
+    p.add_argument("--gemv", choices=("on", "off"), default="on",
+                   help="one-row calls may take the CUDA-core product (GraphConfig.gemv); off: tensor cores only")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
+    gemv = a.gemv == "on"
     variants = [v for v in a.variants.split(",") if v]
     bad = ([v for v in variants if v not in VARIANTS] + [s for s in a.sets.split(",") if s not in SETS]
            + [k for k in a.kinds.split(",") if k not in KINDS])
@@ -176,14 +177,12 @@ def main(argv: list[str] | None = None) -> int:
             for kind in a.kinds.split(","):
                 floor_us = layers.bytes(kind) / bw / 1e3
                 for v in variants:
-                    fl.NORM_LATE = v != "eager"
-                    fn = layers.chain(kind, M, use_pdl=have_pdl and v != "nopdl", norm=v != "nonorm")
+                    fn = layers.chain(kind, M, use_pdl=have_pdl and v != "nopdl", norm=v != "nonorm", gemv=gemv)
                     us = captured_ms(fn, reps=20) * 1e3 / a.layers
                     row = {"set": s, "M": M, "kind": kind, "variant": v, "us": us, "floor_us": floor_us}
                     rows_out.append(row)
                     log(f"{s:7s} M={M:2d} {kind:8s} {v:7s} {us:8.1f} us  floor {floor_us:7.1f}  "
                         f"x{us / floor_us:.2f}  excess {us - floor_us:6.1f} us")
-        fl.NORM_LATE = NORM_LATE
         if a.configs:
             sms = torch.cuda.get_device_properties(dev).multi_processor_count
             for M in (int(m) for m in a.rows.split(",")):
@@ -191,13 +190,13 @@ def main(argv: list[str] | None = None) -> int:
                     w = {"qkv": layers.qkv, "o": layers.o, "gate_up": layers.gu, "down": layers.down}[kind][0]
                     N, K = w.shape[0] // (2 if kind == "gate_up" else 1), w.shape[1]
                     item, gate = w.element_size(), kind == "gate_up"
-                    cands = fl.tuning_candidates(M, N, K, sms, gate, item) + [
+                    cands = fl.tuning_candidates(M, N, K, sms, gate, item, gemv) + [
                         fl.FusedConfig(bn, bk, nw, ns) for bn in (16, 32)
                         for bk in ((64, 128) if item == 2 else (256, 512, 1024)) for nw in (4, 8) for ns in (3, 4)
                         if K % bk == 0]
                     for c in dict.fromkeys(cands):
                         try:
-                            us = captured_ms(layers.chain(kind, M, have_pdl, True, c), reps=20) * 1e3 / a.layers
+                            us = captured_ms(layers.chain(kind, M, have_pdl, True, c, gemv), reps=20) * 1e3 / a.layers
                         except Exception as e:  # noqa: BLE001 - a configuration that does not fit is reported
                             log(f"{s} M={M} {kind} {c}: failed ({type(e).__name__})")
                             continue
@@ -213,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     if not a.no_sweep:
         for M in (int(m) for m in a.rows.split(",")):
             for use in sorted({have_pdl, False}, reverse=True):
-                r = sweeps[f"M{M}{'' if use else '-nopdl'}"] = sweep(M, use)
+                r = sweeps[f"M{M}{'' if use else '-nopdl'}"] = sweep(M, use, gemv=gemv)
                 log(f"sweep M={M} pdl={use}: fixed {r['fixed_us']:.1f} us per kernel, streaming "
                     f"{r['stream_GBps']:.0f} GB/s; points " + ", ".join(f"{b / 2**20:.0f}MB:{t:.1f}us"
                                                                        for b, t in r["points_bytes_us"]))
@@ -230,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "linear_chain.json").write_text(json.dumps(
-            {"card": card, "copy_GBps": bw, "pdl": have_pdl, "layers": a.layers, "rows": rows_out, "sweeps": sweeps,
+            {"card": card, "copy_GBps": bw, "pdl": have_pdl, "gemv": gemv, "layers": a.layers, "rows": rows_out,
+             "sweeps": sweeps,
              "configs": configs, "chosen": fl.chosen(),
              "torch": torch.__version__}, indent=1))
     return 0

@@ -1,4 +1,4 @@
-"""Where one engine step's time goes, phase by phase, at a batch size and a K (issue 5: host overhead).
+"""Where one engine step's time goes, phase by phase, at a batch size and a K (host overhead included).
 
     python ops/profile_step.py --shape smollm2-135m --dtype float32 --batch 32 --ks 0,1,2,4
 

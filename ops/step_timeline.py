@@ -1,4 +1,4 @@
-"""Where a captured decode step's GPU time goes, kernel by kernel (issue 6: a TP=2 step against TP=1's).
+"""Where a captured decode step's GPU time goes, kernel by kernel (e.g. a TP=2 step against TP=1's).
 
     from ops.step_timeline import profile_replays, format_table
     rows = profile_replays(graph.replay, reps=10, n_layers=32)   # torch.profiler over the replays

@@ -1,4 +1,4 @@
-"""Tensor-parallel decode-step benchmark (issue 6): one command on a multi-GPU machine, a table at the end.
+"""Tensor-parallel decode-step benchmark: one command on a multi-GPU machine, a table at the end.
 
     python3 ops/tp_bench.py --out $OUT                        # 4 GPUs: 8B at TP=1,2,4 and 70B at TP=4
     python3 ops/tp_bench.py --out $OUT --sizes 1,2            # 2 GPUs: 8B at TP=1,2 (70B needs 4 cards)
@@ -33,7 +33,9 @@ cards". Logits: the decode and verify logits of TP=N against TP=1 at the same in
 "fused", `pipeline.models.tp_fused`) in the same processes; the checks read the first kind listed. The other
 kinds' logits are recorded against the first's (`variant_logits_max_diff`): equal at TP=2, different in bf16
 rounding past 2 ranks (another summation order).
-`--linear` picks the graph runner's few-row linears (`GraphConfig.linear`, default auto: tuned per shape).
+`--linear` picks the graph runner's few-row linears (`GraphConfig.linear`, default auto: tuned per shape);
+`--gemv off` keeps the fused layer's one-row calls on the tensor cores (`GraphConfig.gemv`); `--pdl-preload`
+sets when its linears load their first weight tile before the PDL wait (`GraphConfig.pdl_preload`).
 """
 
 from __future__ import annotations
@@ -189,7 +191,8 @@ def bench_rank(rank: int, world: int, init_method: str, shape: str, args: argpar
     if cuda:
         torch.cuda.synchronize()
     rec["build_s"] = time.perf_counter() - t0
-    cfg = GraphConfig(graphs=cuda, compile=cuda and not args.no_compile, linear=args.linear)
+    cfg = GraphConfig(graphs=cuda, compile=cuda and not args.no_compile, linear=args.linear, gemv=args.gemv == "on",
+                      pdl_preload=args.pdl_preload)
     batches = [int(b) for b in args.batches.split(",")]
     Ts = [1, args.k + 1]
     la = runner.args  # this rank's shard
@@ -503,6 +506,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="TP embedding table: replicated on every rank, or vocabulary-parallel with an all_reduce "
                         "(auto: replicated on CUDA, as load_tensor_parallel_model does)")
     p.add_argument("--linear", default="auto", help="GraphConfig.linear: auto (tuned Triton/cuBLAS), torch, triton")
+    p.add_argument("--gemv", choices=("on", "off"), default="on",
+                   help="GraphConfig.gemv: the fused layer's one-row calls may multiply on the CUDA cores (off: tensor "
+                        "cores only)")
+    p.add_argument("--pdl-preload", choices=("auto", "on", "off"), default="auto",
+                   help="GraphConfig.pdl_preload: first weight tile before the PDL wait (auto: float8 weights only)")
     p.add_argument("--control", default="auto",
                    help="driven steps' control channel(s), comma-separated: auto, socket, gloo (tp_control), each "
                         "with an optional :MS, the followers' poll window (socket:0 blocks at once); none: no driven "

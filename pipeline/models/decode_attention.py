@@ -121,7 +121,7 @@ def plan_splits(S: int, programs: int, block_n: int, sm_count: int, min_chunk: i
 
 # float32 products as three TF32 tensor-core products ("tf32x3": float32-level error, 1.5-2.6e-7 of the largest
 # output in ops/check_decode_attention.py), not "ieee", which runs on the FMA units over query rows padded to 16:
-# H100, demo model shape, 32 rows x 1,024 keys, 30 layers: 1.00 ms against 2.26 ms (BENCHMARKS.md, issue 5).
+# H100, demo model shape, 32 rows x 1,024 keys, 30 layers: 1.00 ms against 2.26 ms (docs/benchmarks.md).
 _DOT_PRECISION_F32 = "tf32x3"
 
 

@@ -16,7 +16,7 @@ tail of its last wave), which at batch 1 is a large share of a small matrix's fe
 and all seven are Triton kernels launched with programmatic dependent launch where the GPU has it
 (`pipeline.models.pdl`): each one's launch and start-up overlaps its predecessor's epilogue.
 
-Measured on an H100 (BENCHMARKS.md, issue 5; `ops/gpu_bench.py --attention auto,kernels`): batch-1 steps
+Measured on an H100 (`ops/gpu_bench.py --attention auto,kernels`; docs/benchmarks.md): batch-1 steps
 3-9% faster than the unfused layer (8B decode 5.72 vs 6.09 ms, 1B-shaped drafter with a 32k vocabulary
 1.14 vs 1.24 ms, its 5-token verify 1.27 vs 1.31 ms); at batch 4-16 up to 2% slower, so the graph path takes
 it for batch-1 calls by default (`GraphConfig.fused_layer`). Without PDL it is about 1% slower than the
@@ -24,32 +24,35 @@ unfused layer: fewer kernels alone do not pay, the small GEMVs' own ramp is the 
 captured chain, stream at or near the bandwidth floor (`ops/linear_chain_bench.py`).
 
 The arithmetic rounds where the eager layer rounds (each linear's output, SiLU, the product, the residual
-sum), with float32 accumulation. The RMSNorm is the exception by default (`NORM_LATE`): x times the norm
-weight is rounded once and the rows' 1/rms multiplies the float32 sums, one rounding fewer than the eager
-`rms_norm`; `SPECSERVE_NORM=eager` keeps the eager roundings. Results match the eager path to bf16 tolerance
-(tests/test_graph_kernels.py, tests/test_gpu_graphs.py). For half-precision
+sum), with float32 accumulation. The RMSNorm is the exception: x times the norm weight is rounded once and the
+rows' 1/rms multiplies the float32 sums, one rounding fewer than the eager `rms_norm` (and half the K loop's
+per-element work: H100 batch-1 steps 0.5-2.5% faster than the eager roundings). Results match the eager path
+to bf16 tolerance (tests/pipeline/models/test_kernels.py, tests/gpu/test_gpu_graphs.py). For half-precision
 weights and up to `MAX_ROWS` rows; float32 models keep the unfused path (whose cuBLAS arithmetic the float32
 decode/verify equality relies on, see `skinny_linear`).
 
 Float8 weights (`quantize_fp8`, `GraphConfig(weights="fp8")`): a drafter's matrices can be streamed as e4m3 with
 a float32 scale per row, widened to bf16 in the kernel; half the bytes. A drafter's precision moves acceptance,
-never the output. H100, batch-1 steps against bf16: 8B-sized 39% faster, 1B-sized 27-28% (BENCHMARKS.md, issue 5
-Update 12).
+never the output. H100, batch-1 steps against bf16: 8B-sized 39% faster, 1B-sized 27-28%.
 
 Tensor parallel (`push=`, `pipeline.models.tp_fused`): a row-parallel linear sends its float32 partial to every
-rank's symmetric-memory buffer from its epilogue instead of writing `out` (the data is its own flag; with
-`SPECSERVE_TP_WAIT=counters` it also signals each 16 columns it wrote on every rank).
+rank's symmetric-memory buffer from its epilogue instead of writing `out` (the data is its own flag).
 
-One-row calls (`GEMV`, on by default): a batch-1 decode or draft step multiplies one row, which the tensor-core
-tile pads to 16. Instead each program multiplies on the CUDA cores into [BLOCK_K, BLOCK_N] float32 partial sums
-(reduced once, after the loop), loading the weight tile `ahead` steps on and x's next tile before each step's
-products. This matters most for float8 weights: widened for a tensor-core product they streamed no faster than
-bf16 at a 1B's sizes (H100: a layer's four linears 59.8 us either way; on the CUDA cores 41.8 in float8, 51.5 in
-bf16; the 8B's 157.9 -> 156.3). Calls of 2 or more rows keep the tensor cores; for one-row calls the tuner times
-both products and keeps the faster (the CUDA cores won every linear timed on H100s, the tensor cores came within
-1-3% at TP=2). Float8 weights are widened there by two integer operations on their bits (`FP8_WIDEN`), not the
-hardware conversions, whose throughput bounded the loop: the same bits, the 1B's float8 layer 37.1 -> 33.3 us and
-the 8B's 100.0 -> 90.9 (BENCHMARKS.md issue 5, Update 12).
+One-row calls (`gemv=True`, the default; `GraphConfig.gemv`): a batch-1 decode or draft step multiplies one row,
+which the tensor-core tile pads to 16. Instead each program multiplies on the CUDA cores into [BLOCK_K, BLOCK_N]
+float32 partial sums (reduced once, after the loop), loading the weight tile `ahead` steps on and x's next tile
+before each step's products. This matters most for float8 weights: widened for a tensor-core product they streamed
+no faster than bf16 at a 1B's sizes (H100: a layer's four linears 59.8 us either way; on the CUDA cores 41.8 in
+float8, 51.5 in bf16; the 8B's 157.9 -> 156.3). Calls of 2 or more rows keep the tensor cores; for one-row calls the
+tuner times both products and keeps the faster (the CUDA cores won every linear timed on H100s, the tensor cores
+came within 1-3% at TP=2). Float8 weights are widened there by two integer operations on their bits
+(`fused_linear_triton._widen`), not the hardware conversions, whose throughput bounded the loop: the same bits, the
+1B's float8 layer 37.1 -> 33.3 us and the 8B's 100.0 -> 90.9 on an H100.
+
+With PDL the first K tile of the weight may be loaded before the kernel waits for its predecessor (`preload`,
+`GraphConfig.pdl_preload`): "auto", the default, does it for float8 weights only. H100, batch-1 steps: float8 1B
+1-2% faster at T=1 (the 8B-sized 0.7% slower) and 3-6% faster at T=5; bf16 1-2% slower at T=1 and mixed at T=5,
+and at TP=4 on H200s (where a linear waits longer, for the sum) 0.7% slower at T=1 and 3.9% at T=5.
 
 Configuration: one program owns BLOCK_N output columns over the whole depth (no split-K: the epilogue needs
 the finished sum). `config_for` times a few (BLOCK_N, BLOCK_K) candidates once per shape on CUDA during the
@@ -60,7 +63,6 @@ a step runs them); elsewhere it takes `default_config` (`gemv_candidates` and `g
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -74,50 +76,21 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 64
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 _SMEM_BUDGET = 160 * 1024
-# With PDL, each kernel may prefetch up to this many bytes of its weight rows into L2 before it waits on the
-# previous kernel. Off by default: on an H100 8 MB made 1B and 8B steps 2-5% slower, and 0.5-4 MB made every
-# one-row step slower; 8B verify steps of 3-5 rows gained 2-3% on one machine and lost 2% on another (BENCHMARKS.md,
-# issue 5, Updates 5 and 7).
-PREFETCH_BYTES = int(float(os.environ.get("SPECSERVE_PDL_PREFETCH_MB", "0")) * (1 << 20))
-# With PDL, let the next kernel launch once this one's K loop is done ("late", the default) or as soon as it
-# has waited ("early"; measured 5-10% slower on an H100: the next kernel's waiting programs take its SMs; a
-# trigger after 25-90% of the K loop measured 6-15% slower, BENCHMARKS.md issue 5 Update 7).
-LATE_TRIGGER = os.environ.get("SPECSERVE_PDL_TRIGGER", "late") == "late"
-# Load each program's first K tile of the weight before the PDL wait (weights are never written by a kernel), so
-# its HBM latency overlaps the previous kernel's tail instead of following the wait: "auto" for float8 weights only,
-# "on", "off". H100, batch-1 steps (BENCHMARKS.md issue 5, Update 9): float8 1B 1-2% faster at T=1 (the 8B-sized
-# 0.7% slower) and 3-6% faster at T=5; bf16 1-2% slower at T=1 and mixed at T=5, and at TP=4 (where a linear waits
-# longer, for the sum) 0.7% slower at T=1 and 3.9% at T=5 on H200s (issue 6, Update 7).
-PRELOAD = os.environ.get("SPECSERVE_PDL_PRELOAD", "auto")
-if PRELOAD not in ("auto", "on", "off"):
-    raise ValueError(f"SPECSERVE_PDL_PRELOAD must be auto, on or off, got {PRELOAD!r}")
-# One-row calls (a batch-1 decode or draft step): the product on the CUDA cores ("on", see the module doc) instead
-# of a tensor-core tile padded to 16 rows ("off"). Measured on H100s in BENCHMARKS.md (issue 5 Update 11, issue 6
-# Update 8).
-GEMV = os.environ.get("SPECSERVE_GEMV", "on")
-if GEMV not in ("on", "off"):
-    raise ValueError(f"SPECSERVE_GEMV must be on or off, got {GEMV!r}")
+# `preload`: load each program's first K tile of the weight before the PDL wait (weights are never written by a
+# kernel), so its HBM latency overlaps the previous kernel's tail instead of following the wait: "auto" for float8
+# weights only (what measured faster, see the module doc), "on", "off".
+PRELOADS = ("auto", "on", "off")
 
 
-def gemv(M: int) -> bool:
-    """Whether a call of M rows may take the CUDA-core product (`GEMV`): the tuner times it against the tensor
-    cores' for each one-row shape (`config_for`); `FusedConfig.gemv` says which one a configuration is."""
-    return M == 1 and GEMV == "on"
+def gemv(M: int, enabled: bool = True) -> bool:
+    """Whether a call of M rows may take the CUDA-core product (one row, where `enabled`): the tuner times it
+    against the tensor cores' for each one-row shape (`config_for`); `FusedConfig.gemv` says which one a
+    configuration is."""
+    return M == 1 and enabled
 
 
-# Float8 weights on the CUDA cores (`GEMV`): widen e4m3 to float32 with two integer operations on its bits ("bits":
-# the exponent field lands 120 below its place, which x's 2**64 and the sums' 2**56 put back, both exact) instead of
-# the hardware conversions ("cvt": e4m3x2 -> f16x2 -> f32, whose throughput bounds the loop, see the module doc).
-FP8_WIDEN = os.environ.get("SPECSERVE_FP8_WIDEN", "bits")
-if FP8_WIDEN not in ("bits", "cvt"):
-    raise ValueError(f"SPECSERVE_FP8_WIDEN must be bits or cvt, got {FP8_WIDEN!r}")
-
-
-# The RMSNorm prologue: "late" multiplies the sums by each row's 1/rms after the K loop (the loop only multiplies x
-# by the norm weight); "eager" rounds x * 1/rms and then the product with the weight, as `graphs.rms_norm` does.
-NORM_LATE = os.environ.get("SPECSERVE_NORM", "late") == "late"
 # The graph path takes the fused layer for calls of at most this many rows (B * T): one 16-row tensor-core
-# tile. A 20-row call (padded to 32) ran 1.3x slower than the unfused layer on an H100 (BENCHMARKS.md).
+# tile. A 20-row call (padded to 32) ran 1.3x slower than the unfused layer on an H100.
 LAYER_MAX_ROWS = 16
 
 
@@ -175,7 +148,7 @@ def gemv_candidates(N: int, K: int, sm_count: int, gate: bool = False) -> list[F
     """One-row (`gemv`) configurations: 16 or 32 columns (while they make half a program per multiprocessor),
     128-1024 deep, 4 or 8 warps, at most 64 float32 partial sums a thread (half that with gate/up's two), one tile
     ahead: 12 a shape (8 for gate/up). What won or came within 2% in every chain timing on H100s (the 1B's and the
-    8B's linears at TP=1 and 2, bf16 and float8: ops/results/issue5/h100-fp8-bits): 64 columns, 64 deep and two
+    8B's linears at TP=1 and 2, bf16 and float8): 64 columns, 64 deep and two
     tiles ahead never did (two ahead: 0.2-0.7 us slower a linear), and they made the 8B's first step take 73 s to
     tune on a fresh machine (Triton compiles each candidate once; it keeps them on disk)."""
     out = []
@@ -190,30 +163,19 @@ def gemv_candidates(N: int, K: int, sm_count: int, gate: bool = False) -> list[F
     return out
 
 
-def tuning_candidates(M: int, N: int, K: int, sm_count: int, gate: bool, itemsize: int) -> list[FusedConfig]:
-    """What `config_for` times for a shape: the tensor cores' candidates, and for one-row calls (`gemv`) the CUDA
-    cores' too (neither wins every shape: at TP=2 an 8B's gate/up ran 1% slower on the CUDA cores on an H100,
-    BENCHMARKS.md issue 6 Update 8)."""
-    return (gemv_candidates(N, K, sm_count, gate) if gemv(M) else []) + candidates(M, N, K, sm_count, gate, itemsize)
+def tuning_candidates(M: int, N: int, K: int, sm_count: int, gate: bool, itemsize: int,
+                      use_gemv: bool = True) -> list[FusedConfig]:
+    """What `config_for` times for a shape: the tensor cores' candidates, and for one-row calls (`gemv`, unless
+    `use_gemv` is off) the CUDA cores' too (neither wins every shape: at TP=2 an 8B's gate/up ran 1% slower on the
+    CUDA cores on an H100)."""
+    return ((gemv_candidates(N, K, sm_count, gate) if gemv(M, use_gemv) else [])
+            + candidates(M, N, K, sm_count, gate, itemsize))
 
 
 def gemv_default(N: int, K: int, sm_count: int) -> FusedConfig:
     """16 columns, 512 deep (at most K rounded up to a power of two), 8 warps, one tile ahead: what the chain
     timings chose for most of the 1B's one-row linears on an H100 (the tuner times `gemv_candidates` on CUDA)."""
     return FusedConfig(16, 512 if K >= 512 else max(64, _pow2(K)), 8, 1, 1, True)
-
-
-def _prefetch_plan(w: torch.Tensor, rows: int, K: int, block_n: int, num_warps: int) -> tuple[int, int, int]:
-    """(chunks per row, bytes per chunk, chunk stride in elements) of the L2 prefetch: each of a program's
-    threads prefetches one chunk of one of its rows; a row's share of PREFETCH_BYTES, in whole 16-byte units.
-    Bytes 0: no prefetch (rows not 16-byte aligned, or PREFETCH_BYTES 0)."""
-    item = w.element_size()
-    chunks = max(1, num_warps * 32 // block_n)
-    if PREFETCH_BYTES <= 0 or w.data_ptr() % 16 or (w.stride(0) * item) % 16 or w.stride(1) != 1:
-        return chunks, 0, 0
-    per_row = min(K * item, PREFETCH_BYTES // max(rows, 1))
-    chunk = per_row // chunks // 16 * 16
-    return chunks, chunk, chunk // item
 
 
 FP8 = torch.float8_e4m3fn
@@ -230,27 +192,22 @@ def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return w8.contiguous(), scale.contiguous()
 
 
-UNIT = 16  # tensor parallel: columns per signal (the smallest BLOCK_N), see `Push`; = fused_linear_triton.UNIT
-
-
 @dataclass(frozen=True)
 class Push:
     """Tensor parallel, a producer: the float32 result goes into slot `rank` of every rank's partials of a site
-    (peer memory); then, with `signal`, each program adds 1, on every rank, to the counter of each `UNIT` columns
-    it wrote. Without, a result of -0.0 is sent as +0.0 (-0.0 marks a partial not yet written)."""
+    (peer memory), a result of -0.0 sent as +0.0 (-0.0 marks a partial not yet written)."""
     peer_parts: torch.Tensor  # [R] int64: the address of each rank's partials [R, rows, C] of the site
-    peer_units: torch.Tensor  # [R] int64: the address of each rank's unit counters [ceil(C / UNIT)] of the site
     rank: int
     rows: int  # the partials' row capacity (their rank stride is rows * C)
     width: int  # C, the partials' columns
-    signal: bool = True  # count the columns on the unit counters; False: the reduce waits for the data itself
 
 
 def _launch(x: torch.Tensor, M: int, K: int, row: tuple[int, int, int], col: tuple[int, int],
             w: torch.Tensor, bias: Optional[torch.Tensor], norm_w: Optional[torch.Tensor], eps: float, gate: bool,
             residual: Optional[torch.Tensor], out: Optional[torch.Tensor], use_pdl: bool,
             config: Optional[FusedConfig], w_scale: Optional[torch.Tensor] = None,
-            push: Optional[Push] = None) -> torch.Tensor:
+            push: Optional[Push] = None, preload: str = "auto", use_gemv: bool = True) -> torch.Tensor:
+    assert preload in PRELOADS, f"preload must be one of {PRELOADS}, got {preload!r}"
     assert config is None or not config.gemv or M == 1, f"the CUDA-core product (gemv) is for one-row calls, not {M}"
     from pipeline.models import fused_linear_triton as kern
 
@@ -269,10 +226,7 @@ def _launch(x: torch.Tensor, M: int, K: int, row: tuple[int, int, int], col: tup
     if out is None:
         out = torch.empty(M, N, dtype=x.dtype, device=x.device) if push is None else x.new_empty(0)
     assert push is not None or (out.shape == (M, N) and out.stride(1) == 1), (tuple(out.shape), (M, N))
-    c = config or config_for(x, M, N, K, w, bias, norm_w, gate, residual, w_scale, use_pdl)
-    preload = PRELOAD == "on" or (PRELOAD == "auto" and w.dtype == FP8)
-    rows = N * (2 if gate else 1)
-    chunks, pf, pf_step = _prefetch_plan(w, rows, K, c.block_n, c.num_warps) if use_pdl else (1, 0, 0)
+    c = config or config_for(x, M, N, K, w, bias, norm_w, gate, residual, w_scale, use_pdl, preload, use_gemv)
     XT, s_xb, s_xt = row
     XD, s_xj = col
     dummy = x
@@ -281,20 +235,18 @@ def _launch(x: torch.Tensor, M: int, K: int, row: tuple[int, int, int], col: tup
         x, norm_w if norm_w is not None else dummy, w, w_scale if w_scale is not None else dummy,
         bias if bias is not None else dummy,
         residual if residual is not None else dummy, out,
-        push.peer_parts if push is not None else dummy, push.peer_units if push is not None else dummy,
-        M, N, K, N if gate else 0, XT, pf, pf_step,
+        push.peer_parts if push is not None else dummy,
+        M, N, K, N if gate else 0, XT,
         s_xb, s_xt, s_xj, w.stride(0), residual.stride(0) if residual is not None else 0,
         out.stride(0) if push is None else 0, N, push.rank * push.rows * N if push is not None else 0,
         float(eps),
         XD=XD, M_PAD=m_pad(M), BLOCK_N=c.block_n, BLOCK_K=c.block_k, NORM=norm_w is not None, GATE=gate,
         RESIDUAL=residual is not None, HAS_BIAS=bias is not None, HAS_SCALE=w_scale is not None,
         EVEN_K=K % c.block_k == 0,
-        NORM_LATE=NORM_LATE, R_PAD=_pow2(M), NORM_CHUNK=max(16, min(_pow2(K), 8192 // _pow2(M))),
-        USE_PDL=use_pdl, PREFETCH=pf > 0, PF_CHUNKS=chunks, LATE_TRIGGER=LATE_TRIGGER, PRELOAD=preload,
-        GEMV=c.gemv, AHEAD=c.ahead, FP8_BITS=FP8_WIDEN == "bits",
-        DOT_IN_F32=kern.interpreted() and x.dtype == torch.bfloat16,
-        PUSH=push is not None, N_RANKS=n_ranks, UNITS=c.block_n // UNIT, RANKS_POW2=_pow2(n_ranks),
-        SIGNAL=push is None or push.signal,
+        R_PAD=_pow2(M), NORM_CHUNK=max(16, min(_pow2(K), 8192 // _pow2(M))),
+        USE_PDL=use_pdl, PRELOAD=preload == "on" or (preload == "auto" and w.dtype == FP8),
+        GEMV=c.gemv, AHEAD=c.ahead, DOT_IN_F32=kern.interpreted() and x.dtype == torch.bfloat16,
+        PUSH=push is not None, N_RANKS=n_ranks,
         num_warps=c.num_warps, num_stages=c.num_stages, **launch_kwargs(use_pdl),
     )
     return out
@@ -314,11 +266,13 @@ def fused_linear(
     config: Optional[FusedConfig] = None,
     w_scale: Optional[torch.Tensor] = None,  # [rows of w] float32, with float8 w (quantize_fp8)
     push: Optional[Push] = None,  # tensor parallel: send the result to every rank's partials of a site, not to out
+    preload: str = "auto",  # with PDL, the first weight tile before the wait: auto (float8 weights only), on, off
+    gemv: bool = True,  # one-row calls may take the CUDA-core product (the tuner times both)
 ) -> torch.Tensor:
     M, K = x.shape
     assert x.stride(1) == 1, "x needs unit column stride"
     return _launch(x, M, K, (1, x.stride(0), 0), (1, 1), w, bias, norm_w, eps, gate, residual, out, use_pdl, config,
-                   w_scale, push)
+                   w_scale, push, preload, gemv)
 
 
 def fused_linear_heads(
@@ -333,12 +287,14 @@ def fused_linear_heads(
     config: Optional[FusedConfig] = None,
     w_scale: Optional[torch.Tensor] = None,
     push: Optional[Push] = None,
+    preload: str = "auto",
+    gemv: bool = True,
 ) -> torch.Tensor:  # [B*T, N]: linear(y as [B, T, H*D]), without the permute's copy
     B, Hkv, GT, D = y.shape
     assert y.is_contiguous() and GT % T == 0, (tuple(y.shape), T)
     K = Hkv * GT // T * D
     return _launch(y, B * T, K, (T, y.stride(0), D), (D, T * D), w, bias, None, 0.0, False, residual, out,
-                   use_pdl, config, w_scale, push)
+                   use_pdl, config, w_scale, push, preload, gemv)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -349,17 +305,18 @@ _choices: dict[tuple, FusedConfig] = {}
 
 
 def config_for(x: torch.Tensor, M: int, N: int, K: int, w: torch.Tensor, bias, norm_w, gate: bool,
-               residual, w_scale: Optional[torch.Tensor] = None, use_pdl: bool = False) -> FusedConfig:
+               residual, w_scale: Optional[torch.Tensor] = None, use_pdl: bool = False, preload: str = "auto",
+               use_gemv: bool = True) -> FusedConfig:
     """The configuration of this shape: timed once on CUDA (outside a graph capture) the way the graph path runs
     it (`kernel_timing.chain_ms`), else the default."""
+    one_row = gemv(M, use_gemv)
     key = (m_pad(M), N, K, w.dtype, gate, norm_w is not None, residual is not None, bias is not None, x.device,
-           norm_w is not None and NORM_LATE, PRELOAD,  # PRELOAD: the setting (its effect depends on w's dtype)
-           gemv(M), FP8_WIDEN)
+           preload, one_row)  # preload: the setting (its effect depends on w's dtype)
     got = _choices.get(key)
     if got is not None:
         return got
     sms = _sm_count(x.device)
-    fallback = gemv_default(N, K, sms) if gemv(M) else default_config(M, N, K, sms, gate, w.element_size())
+    fallback = gemv_default(N, K, sms) if one_row else default_config(M, N, K, sms, gate, w.element_size())
     if x.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return _choices.setdefault(key, fallback)
     from pipeline.models.kernel_timing import chain_ms, weight_copies
@@ -368,11 +325,11 @@ def config_for(x: torch.Tensor, M: int, N: int, K: int, w: torch.Tensor, bias, n
     out = torch.zeros(M, N, dtype=x.dtype, device=x.device)
     ws = weight_copies(w)
     best, best_ms = None, float("inf")
-    for c in tuning_candidates(M, N, K, sms, gate, w.element_size()):
+    for c in tuning_candidates(M, N, K, sms, gate, w.element_size(), use_gemv):
         try:
             ms = chain_ms(lambda wi: fused_linear(
                 xs, wi, bias, norm_w=norm_w, gate=gate, residual=out if residual is not None else None,
-                out=out, config=c, w_scale=w_scale, use_pdl=use_pdl), ws)
+                out=out, config=c, w_scale=w_scale, use_pdl=use_pdl, preload=preload, gemv=use_gemv), ws)
         except Exception as e:  # noqa: BLE001 - a configuration that does not build/fit is skipped
             log.debug("fused_linear %s failed for %s: %s", c, key[:3], e)
             continue
@@ -384,6 +341,6 @@ def config_for(x: torch.Tensor, M: int, N: int, K: int, w: torch.Tensor, bias, n
 def chosen() -> dict[str, str]:
     """What was chosen per shape so far, for benchmark reports."""
     return {f"Mpad{k[0]} N{k[1]} K{k[2]} {str(k[3]).removeprefix('torch.')}{' gate' if k[4] else ''}"
-            f"{' norm' if k[5] else ''}{' late' if k[9] else ''}{' res' if k[6] else ''}{' M1' if k[11] else ''}":
+            f"{' norm' if k[5] else ''}{' res' if k[6] else ''}{' M1' if k[10] else ''}":
             f"{c.block_n}x{c.block_k}/w{c.num_warps}/s{c.num_stages}{f' gemv/ahead{c.ahead}' if c.gemv else ''}"
             for k, c in _choices.items()}

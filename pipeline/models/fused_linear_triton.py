@@ -3,14 +3,13 @@
 `fused_linear_kernel`: `y[M, N] = epilogue(prologue(x)[M, K] @ w[N, K]^T + bias)` for few rows, one program
 per BLOCK_N output columns over the whole depth K (no split, so the epilogue sees finished sums):
 
-- prologue NORM: RMSNorm of x's rows. A pass over x (it is small, and in L2; `_rstd_rows`) computes the rows'
-  1/rms in float32. NORM_LATE (the default): the main loop feeds `x * weight` (one rounding) to the product and
-  the sums are multiplied by 1/rms after the loop, where the pass then runs; otherwise the loop feeds
-  `weight * (x * rstd).to(dtype)`, the roundings of `graphs.rms_norm`, the pass before the loop. The loop's
-  per-element work is what a normed linear costs over a plain one: NORM_LATE halves it (H100, 1B and 8B
-  batch-1 steps 0.5-2.5% faster; `ops/linear_chain_bench.py`). (Summing the squares inside the main loop
-  instead measured 4-17% slower: a reduction across threads per tile, or a second accumulator, costs more
-  than re-reading x from L2);
+- prologue NORM: RMSNorm of x's rows. The main loop feeds `x * weight` (one rounding) to the product, and the
+  sums are multiplied by the rows' 1/rms after the loop, computed in float32 by a pass over x then (it is small,
+  and in L2; `_rstd_rows`). That is one rounding fewer than `graphs.rms_norm`'s `weight * (x * rstd).to(dtype)`
+  and half the loop's per-element work, which is what a normed linear costs over a plain one (H100, 1B and 8B
+  batch-1 steps 0.5-2.5% faster than those eager roundings in the loop; `ops/linear_chain_bench.py`). (Summing
+  the squares inside the main loop instead measured 4-17% slower: a reduction across threads per tile, or a
+  second accumulator, costs more than re-reading x from L2);
 - x addressing: row m = (m // XT, m % XT) with strides (s_xb, s_xt), column k = (k // XD, k % XD) with
   strides (s_xj, 1). A plain [M, K] matrix is XT = 1, XD = 1; the attention output [B, Hkv, G*T, D] read as
   [B*T, H*D] is XT = T, XD = D, s_xj = T*D (the permute the eager path copies);
@@ -25,24 +24,22 @@ per BLOCK_N output columns over the whole depth K (no split, so the epilogue see
   drafters (`quantize_fp8`), whose precision changes only how often drafts are accepted, never the output.
 
 - PUSH (tensor parallel, `pipeline.models.tp_fused`): the float32 result (bias included, unrounded) goes not
-  to y but to this rank's slot of every rank's partial buffer of a site (peer memory); the program then adds 1
-  to every rank's counter of each 16 columns it wrote (its `UNITS`). `reduce_partials_kernel` is the other
-  half: it waits for the counters of its columns and adds the ranks' partials to the residual stream in rank
-  order.
+  to y but to this rank's slot of every rank's partial buffer of a site (peer memory), a -0.0 result sent as
+  +0.0 (-0.0 marks a slot not written yet). `reduce_partials_kernel` is the other half: it polls its columns'
+  slots until every rank's partial is in and adds them to the residual stream in rank order.
 
-GEMV (one row, `fused_linear.GEMV`): no tensor-core tile. Each program multiplies x's row by its weight tiles on the
-CUDA cores into [BLOCK_K, BLOCK_N] float32 partial sums and reduces them once after the loop; the weight tile AHEAD
-steps on, and x's next tile (with the norm weight's), are loaded before each step's products. The prologue and
-epilogue are the same; only the order of the float32 additions differs from the tensor-core loop. Float8 weights
-(FP8_BITS) are widened by their bits (`_widen`: the value times 2**-120, which x's 2**64 and the sums' 2**56 undo),
-two integer operations an element instead of two conversions.
+GEMV (one row, `fused_linear(..., gemv=True)`): no tensor-core tile. Each program multiplies x's row by its weight
+tiles on the CUDA cores into [BLOCK_K, BLOCK_N] float32 partial sums and reduces them once after the loop; the
+weight tile AHEAD steps on, and x's next tile (with the norm weight's), are loaded before each step's products.
+The prologue and epilogue are the same; only the order of the float32 additions differs from the tensor-core loop.
+Float8 weights are widened by their bits (`_widen`: the value times 2**-120, which x's 2**64 and the sums' 2**56
+undo), two integer operations an element instead of the hardware's two conversions.
 
 USE_PDL: programmatic dependent launch (`pipeline.models.pdl`): wait for the previous kernel before touching x,
-res or y; let the next kernel launch after the K loop (LATE_TRIGGER) or right after the wait. With PREFETCH,
-before waiting, a program asks L2 to prefetch PF_CHUNKS x PF_BYTES of each of its weight rows
-(`cp.async.bulk.prefetch.L2`; weights are never written by any kernel). With PRELOAD the first K tile of the
-weight (peeled from the loop) is loaded into registers before the wait. The defaults (late trigger, no prefetch,
-the preload for float8 weights only) are what measured fastest (BENCHMARKS.md, issue 5, Updates 5 and 9).
+res or y; let the next kernel launch after the K loop (an earlier trigger measured 5-10% slower on an H100).
+With PRELOAD the first K tile of the weight (peeled from the loop) is loaded into registers before the wait
+(weights are never written by any kernel); `fused_linear` takes it for float8 weights by default, where it
+measured faster (docs/benchmarks.md).
 
 With TRITON_INTERPRET=1 set before triton's first import the kernel runs in Triton's CPU interpreter (tests;
 no PDL there).
@@ -52,16 +49,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-
-UNIT = tl.constexpr(16)  # tensor parallel: columns per counter (`fused_linear.UNIT`, which launchers use)
-
-
-@triton.jit
-def _prefetch_rows_l2(ptrs, nbytes):
-    """Ask L2 to fetch nbytes (a multiple of 16) from each 16-byte-aligned address in ptrs (sm_90+)."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // dummy $0", "=r,l,r",
-                              [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -120,19 +107,16 @@ def _w_tile(rows, offs_k, n_ok, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _prep_x(x, NORM_W, offs_k, K, rstd, DT: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr,
-            NORM_LATE: tl.constexpr, DOT_IN_F32: tl.constexpr):
-    """x's tile as the product takes it: times the norm weight (NORM_LATE: 1/rms scales the sums later; else the
-    eager roundings, (x * 1/rms) rounded, times the weight, rounded), in DT (float32 with DOT_IN_F32)."""
+def _prep_x(x, NORM_W, offs_k, K, DT: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr,
+            DOT_IN_F32: tl.constexpr):
+    """x's tile as the product takes it: times the norm weight, rounded (the rows' 1/rms scales the sums after
+    the loop), in DT (float32 with DOT_IN_F32)."""
     if NORM:
         if EVEN_K:
             nw = tl.load(NORM_W + offs_k).to(DT)
         else:
             nw = tl.load(NORM_W + offs_k, mask=offs_k < K, other=0.0).to(DT)
-        if NORM_LATE:  # one product per element; x is already in DT (X.dtype)
-            x = _mul_rounded(x, nw[None, :], DOT_IN_F32)
-        else:
-            x = _mul_rounded((x.to(tl.float32) * rstd[:, None]).to(DT), nw[None, :], DOT_IN_F32)
+        x = _mul_rounded(x, nw[None, :], DOT_IN_F32)  # one product per element; x is already in DT (X.dtype)
     else:
         x = x.to(DT)
     if DOT_IN_F32:
@@ -152,24 +136,22 @@ def _x_raw(X, NORM_W, offs_k, K, s_xj, XD: tl.constexpr, NORM: tl.constexpr):
 
 
 @triton.jit
-def _x_prep(x, nw, r0, DT: tl.constexpr, NORM: tl.constexpr, NORM_LATE: tl.constexpr, IN_F32: tl.constexpr):
-    """`_x_raw`'s row as the product takes it (`_prep_x`'s roundings; r0: the row's 1/rms), in float32."""
+def _x_prep(x, nw, DT: tl.constexpr, NORM: tl.constexpr, IN_F32: tl.constexpr):
+    """`_x_raw`'s row as the product takes it (`_prep_x`'s rounding), in float32."""
     if NORM:
-        if NORM_LATE:
-            x = _mul_rounded(x.to(DT), nw.to(DT), IN_F32)
-        else:
-            x = _mul_rounded((x.to(tl.float32) * r0).to(DT), nw.to(DT), IN_F32)
+        x = _mul_rounded(x.to(DT), nw.to(DT), IN_F32)
     return x.to(tl.float32)
 
 
 @triton.jit
-def _widen(w, HAS_SCALE: tl.constexpr, FP8_BITS: tl.constexpr):
-    """A weight tile in float32 for the CUDA-core product. Float8 with FP8_BITS: e4m3's bits s.eeee.mmm moved into a
+def _widen(w, HAS_SCALE: tl.constexpr):
+    """A weight tile in float32 for the CUDA-core product. Float8 (HAS_SCALE): e4m3's bits s.eeee.mmm moved into a
     float32's sign, the exponent field's low four bits and the mantissa's top three, which is its value times 2**-120
     exactly (normal and subnormal alike; e4m3's NaN code reads as a finite number): the sign-extended byte shifted by
     20 keeps the sign in bit 31, and one mask clears bits 27-30 and 0-19. Two integer operations an element where the
-    hardware conversion takes two conversions (e4m3x2 -> f16x2, f16 -> f32) of the SM's slower conversion units."""
-    if HAS_SCALE and FP8_BITS:
+    hardware conversion takes two conversions (e4m3x2 -> f16x2, f16 -> f32) of the SM's slower conversion units,
+    whose throughput bounded the loop (H100: the 1B's float8 layer 37.1 -> 33.3 us, the 8B's 100.0 -> 90.9)."""
+    if HAS_SCALE:
         b = w.to(tl.int8, bitcast=True).to(tl.int32)
         return ((b << 20) & -2014314496).to(tl.float32, bitcast=True)  # -2014314496 = 0x87F00000
     return w.to(tl.float32)
@@ -190,8 +172,8 @@ def _dot_acc(acc, x, w, DT: tl.constexpr, HAS_SCALE: tl.constexpr, DOT_IN_F32: t
 @triton.jit
 def fused_linear_kernel(
     X, NORM_W, W, W_SCALE, BIAS, RES, Y,
-    PEER_PARTS, PEER_UNITS,
-    M, N, K, N_UP, XT, PF_BYTES, PF_STEP,
+    PEER_PARTS,
+    M, N, K, N_UP, XT,
     s_xb, s_xt, s_xj, s_wn, s_rm, s_ym,
     s_pm, my_part,
     eps,
@@ -205,23 +187,15 @@ def fused_linear_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr,  # w is float8 with one float32 scale per row (W_SCALE): w_true = w * scale
     EVEN_K: tl.constexpr,  # K is a whole number of BLOCK_K tiles: no K mask
-    NORM_LATE: tl.constexpr,  # with NORM: the rows' 1/rms multiplies the sums after the K loop, not x in it
     R_PAD: tl.constexpr,  # with NORM: M rounded up to a power of two (the 1/rms pass's rows)
     NORM_CHUNK: tl.constexpr,  # with NORM: the 1/rms pass's tile width
     USE_PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,  # with USE_PDL: prefetch PF_CHUNKS x PF_BYTES of each weight row into L2 first
-    PF_CHUNKS: tl.constexpr,  # BLOCK_N * PF_CHUNKS = the program's threads: one prefetch each, none repeated
-    LATE_TRIGGER: tl.constexpr,  # with USE_PDL: let the next kernel launch after the K loop, not at the start
     PRELOAD: tl.constexpr,  # load the first K tile of the weights before the PDL wait (peeled from the loop)
     GEMV: tl.constexpr,  # M == 1: the product on the CUDA cores, not the tensor cores
     AHEAD: tl.constexpr,  # with GEMV: weight tiles loaded ahead of the one multiplied (1 or 2)
-    FP8_BITS: tl.constexpr,  # with GEMV and float8 weights: widen them by their bits (`_widen`), not by conversions
     DOT_IN_F32: tl.constexpr,  # interpreter + bf16 only: Triton 3.6's interpreter multiplies bf16 as raw bits
     PUSH: tl.constexpr,  # tensor parallel: the float32 result goes to every rank's partials of a site, not to Y
     N_RANKS: tl.constexpr,
-    UNITS: tl.constexpr,  # with PUSH: BLOCK_N // UNIT, the counters a program signals
-    RANKS_POW2: tl.constexpr,  # with PUSH: N_RANKS rounded up to a power of two
-    SIGNAL: tl.constexpr,  # with PUSH: count the columns on the unit counters (else the data is its own flag)
 ):
     DT = X.dtype.element_ty  # the model's activation dtype: products and roundings in it
     pid = tl.program_id(0)
@@ -239,28 +213,14 @@ def fused_linear_kernel(
         if GATE:
             u0 = _w_tile(u_rows, offs_k0, n_ok, K, EVEN_K)
     if USE_PDL:
-        if PREFETCH:
-            r = tl.arange(0, BLOCK_N * PF_CHUNKS)
-            row = tl.minimum(pid * BLOCK_N + r // PF_CHUNKS, N - 1).to(tl.int64)  # past N: a real row again
-            addr = W + row * s_wn + (r % PF_CHUNKS) * PF_STEP
-            nbytes = tl.full([BLOCK_N * PF_CHUNKS], 0, tl.int32) + PF_BYTES
-            _prefetch_rows_l2(addr, nbytes)
-            if GATE:
-                _prefetch_rows_l2(addr + N_UP * s_wn, nbytes)
         tl.extra.cuda.gdc_wait()  # every earlier kernel has finished: activations are ready
-        if not LATE_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
 
     x_rows = X + (offs_m // XT) * s_xb + (offs_m % XT) * s_xt  # [M_PAD]
-    rstd = tl.full([M_PAD], 1.0, tl.float32)
-    if NORM and not NORM_LATE:
-        rstd = _rstd_rows(X, M, K, XT, s_xb, s_xt, s_xj, eps, XD, M_PAD, R_PAD, NORM_CHUNK)
     acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
     if GEMV:  # one row: products on the CUDA cores into [BLOCK_K, BLOCK_N] partial sums, reduced once after the
         # loop. The weight tile AHEAD steps on and x's next tile are loaded before this step's products, so AHEAD + 1
         # weight tiles are in flight a program and no step waits on an L2 round trip for x.
-        r0 = tl.sum(tl.where(offs_m == 0, rstd, 0.0))  # row 0's 1/rms (1 unless the eager norm)
         part = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
         part_u = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
         if PRELOAD:
@@ -280,7 +240,7 @@ def fused_linear_kernel(
         xr, nw = _x_raw(X, NORM_W, offs_k0, K, s_xj, XD, NORM)
         # `_widen`'s float8 bits are the weights times 2**-120: x times 2**64 and the sums times 2**56 put it back,
         # every product exact as before unless |x * w| < 2**-70 (then within 2**-93 of it).
-        x_shift = 18446744073709551616.0 if HAS_SCALE and FP8_BITS else 1.0  # 2**64
+        x_shift = 18446744073709551616.0 if HAS_SCALE else 1.0  # 2**64
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + offs_k0
             w_new = _w_tile(w_rows, offs_k + AHEAD * BLOCK_K, n_ok, K, False)  # 0 past K: nothing read
@@ -288,10 +248,10 @@ def fused_linear_kernel(
             if GATE:
                 u_new = _w_tile(u_rows, offs_k + AHEAD * BLOCK_K, n_ok, K, False)
             xr_next, nw_next = _x_raw(X, NORM_W, offs_k + BLOCK_K, K, s_xj, XD, NORM)
-            xv = _x_prep(xr, nw, r0, DT, NORM, NORM_LATE, DOT_IN_F32) * x_shift
-            part += xv[:, None] * _widen(w, HAS_SCALE, FP8_BITS)
+            xv = _x_prep(xr, nw, DT, NORM, DOT_IN_F32) * x_shift
+            part += xv[:, None] * _widen(w, HAS_SCALE)
             if GATE:
-                part_u += xv[:, None] * _widen(u, HAS_SCALE, FP8_BITS)
+                part_u += xv[:, None] * _widen(u, HAS_SCALE)
             if AHEAD == 2:
                 w = w1
                 w1 = w_new
@@ -302,14 +262,14 @@ def fused_linear_kernel(
                 u = u_new
             xr = xr_next
             nw = nw_next
-        unshift = 72057594037927936.0 if HAS_SCALE and FP8_BITS else 1.0  # 2**56
+        unshift = 72057594037927936.0 if HAS_SCALE else 1.0  # 2**56
         acc = tl.where(offs_m[:, None] == 0, tl.sum(part, axis=0)[None, :] * unshift, 0.0)
         if GATE:
             acc_u = tl.where(offs_m[:, None] == 0, tl.sum(part_u, axis=0)[None, :] * unshift, 0.0)
     else:
         if PRELOAD:  # the first K tile's weights came in before the wait; x's tile only now
             x = _load_x(x_rows, m_ok, offs_k0, s_xj, K, XD, EVEN_K)
-            x = _prep_x(x, NORM_W, offs_k0, K, rstd, DT, EVEN_K, NORM, NORM_LATE, DOT_IN_F32)
+            x = _prep_x(x, NORM_W, offs_k0, K, DT, EVEN_K, NORM, DOT_IN_F32)
             acc = _dot_acc(acc, x, w0, DT, HAS_SCALE, DOT_IN_F32)
             if GATE:
                 acc_u = _dot_acc(acc_u, x, u0, DT, HAS_SCALE, DOT_IN_F32)
@@ -317,16 +277,15 @@ def fused_linear_kernel(
             offs_k = k0 + offs_k0
             x = _load_x(x_rows, m_ok, offs_k, s_xj, K, XD, EVEN_K)
             w = _w_tile(w_rows, offs_k, n_ok, K, EVEN_K)  # [BLOCK_K, BLOCK_N]
-            x = _prep_x(x, NORM_W, offs_k, K, rstd, DT, EVEN_K, NORM, NORM_LATE, DOT_IN_F32)
+            x = _prep_x(x, NORM_W, offs_k, K, DT, EVEN_K, NORM, DOT_IN_F32)
             acc = _dot_acc(acc, x, w, DT, HAS_SCALE, DOT_IN_F32)
             if GATE:
                 u = _w_tile(u_rows, offs_k, n_ok, K, EVEN_K)
                 acc_u = _dot_acc(acc_u, x, u, DT, HAS_SCALE, DOT_IN_F32)
 
-    if USE_PDL:
-        if LATE_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
-    if NORM and NORM_LATE:  # sum_k W[n, k] * (x[k] * w[k] / rms) = (1 / rms) * sum_k W[n, k] * (x[k] * w[k])
+    if USE_PDL:  # the K loop is done: let the next kernel launch
+        tl.extra.cuda.gdc_launch_dependents()
+    if NORM:  # sum_k W[n, k] * (x[k] * w[k] / rms) = (1 / rms) * sum_k W[n, k] * (x[k] * w[k])
         rstd = _rstd_rows(X, M, K, XT, s_xb, s_xt, s_xj, eps, XD, M_PAD, R_PAD, NORM_CHUNK)
         acc = acc * rstd[:, None]
         if GATE:
@@ -348,18 +307,12 @@ def fused_linear_kernel(
     if RESIDUAL:
         res = tl.load(RES + offs_m[:, None] * s_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
         out = res + out
-    if PUSH:  # this rank's partial, unrounded, into its slot of every rank's partials; then count it there
-        if not SIGNAL:  # the reduce waits for the values themselves, with -0.0 meaning "not yet": send +0.0 for it
-            acc = tl.where(acc == 0.0, 0.0, acc)
+    if PUSH:  # this rank's partial, unrounded, into its slot of every rank's partials
+        # The reduce waits for the values themselves, -0.0 meaning "not yet": send +0.0 for it
+        acc = tl.where(acc == 0.0, 0.0, acc)
         for r in tl.static_range(N_RANKS):
             dst = tl.load(PEER_PARTS + r).to(tl.pointer_type(tl.float32)) + my_part
             tl.store(dst + offs_m[:, None] * s_pm + offs_n[None, :], acc, mask=mask)
-        if SIGNAL:
-            tl.debug_barrier()  # every thread's stores are issued before the releases below
-            # One signal per rank and 16 columns, all at once (one thread each): counters at distinct addresses,
-            # so the remote atomics do not queue on one address (many on one measured ~7 us a site at 4 ranks).
-            n_units = tl.cdiv(N, UNIT)
-            _signal_units(PEER_UNITS, pid * UNITS, n_units, UNITS, N_RANKS, RANKS_POW2)
     else:
         tl.store(Y + offs_m[:, None] * s_ym + offs_n[None, :], out.to(Y.dtype.element_ty), mask=mask)
 
@@ -368,58 +321,6 @@ def fused_linear_kernel(
 def _trap():
     """Abort the kernel: the process's CUDA context fails, and with it the process's next CUDA call."""
     tl.inline_asm_elementwise("trap; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def bump_epoch_kernel(EPOCH):
-    """EPOCH += 1: the start of a tensor-parallel fused forward (no PDL: the previous forward has finished)."""
-    tl.store(EPOCH, tl.load(EPOCH) + 1)
-
-
-@triton.jit
-def _signal_units(PEER_UNITS, u0, n_units, UNITS: tl.constexpr, N_RANKS: tl.constexpr, RANKS_POW2: tl.constexpr):
-    """Add 1 (release, system scope) to counters u0 .. u0 + UNITS - 1 (those below n_units) of every rank, one
-    atomic per element of a [ranks, units] tile: Triton gives each element one thread, so they go out together.
-    The caller's barrier before it puts every thread's earlier stores under the releases."""
-    r = tl.arange(0, RANKS_POW2)
-    u = u0 + tl.arange(0, UNITS)
-    base = tl.load(PEER_UNITS + r, mask=r < N_RANKS, other=0).to(tl.pointer_type(tl.int64))
-    ok = (r < N_RANKS)[:, None] & (u < n_units)[None, :]
-    tl.atomic_add(base[:, None] + u[None, :], tl.full([RANKS_POW2, UNITS], 1, tl.int64), mask=ok, sem="release",
-                  scope="sys")
-
-
-@triton.jit
-def _wait_units(UNIT_CNT, u0, n_units, want, spin_ns, UNITS: tl.constexpr, SPIN_LIMIT: tl.constexpr):
-    """Spin until this rank's counters u0 .. u0 + UNITS - 1 (those below n_units) reach `want` (acquire, system
-    scope); trap after spin_ns with SPIN_LIMIT (the interpreter has no timer)."""
-    u = u0 + tl.arange(0, UNITS)
-    ok = u < n_units
-    t0 = tl.extra.cuda.globaltimer() if SPIN_LIMIT else 0
-    while _min_count(UNIT_CNT + u, ok, want) < want:  # all counters in one round trip a poll
-        if SPIN_LIMIT:
-            if tl.extra.cuda.globaltimer() - t0 > spin_ns:
-                _trap()
-
-
-@triton.jit
-def _min_count(ptrs, ok, want):
-    """The smallest of the counters at ptrs where ok (acquire, system scope: one thread an element)."""
-    seen = tl.atomic_add(ptrs, tl.zeros(ptrs.shape, tl.int64), mask=ok, sem="acquire", scope="sys")
-    return tl.min(tl.where(ok, seen, want))
-
-
-@triton.jit
-def _sum_parts(X, s_xm, PARTS, s_pr, s_pm, offs_m, offs_n, mask, N_RANKS: tl.constexpr):
-    """X[m, n] += the N_RANKS float32 partials at PARTS[r, m, n], summed in rank order onto X's value in float32
-    and rounded once: every rank computes the same bits. Partials are read through L2 only (peers wrote them)."""
-    DT = X.dtype.element_ty
-    ptrs = offs_m[:, None] * s_xm + offs_n[None, :]
-    acc = tl.load(X + ptrs, mask=mask, other=0.0).to(tl.float32)
-    for r in tl.static_range(N_RANKS):
-        acc += tl.load(PARTS + r * s_pr + offs_m[:, None] * s_pm + offs_n[None, :], mask=mask, other=0.0,
-                       cache_modifier=".cg")
-    tl.store(X + ptrs, acc.to(DT), mask=mask)
 
 
 EMPTY = tl.constexpr(-2147483648)  # the bits of float32 -0.0: a partial not written yet (data waits; `tp_fused`)
@@ -448,40 +349,32 @@ def _await_parts(PARTS, s_pr, s_pm, offs_m, offs_n, mask, spin_ns, N_RANKS: tl.c
 
 @triton.jit
 def reduce_partials_kernel(
-    X, PARTS, UNIT_CNT, EPOCH,
+    X, PARTS,
     M, C, s_xm, s_pr, s_pm, spin_ns,
     N_RANKS: tl.constexpr,
     M_PAD: tl.constexpr,
     BLOCK_C: tl.constexpr,
     USE_PDL: tl.constexpr,
     SPIN_LIMIT: tl.constexpr,
-    ON_DATA: tl.constexpr,  # wait for the partials' values (EMPTY until written), not for the unit counters
     RANKS_POW2: tl.constexpr,
 ):
     """Tensor parallel, the sum as a kernel of its own (`tp_fused.SiteBuffers.reduce_into`): X[m, cols] += the
-    N_RANKS partials of a site once they are all in: every partial of these columns written (ON_DATA), or the
-    unit counters of these columns showing every rank's push of this epoch."""
+    N_RANKS partials of a site once every partial of these columns is written, summed onto X's value in float32
+    in rank order and rounded once, so every rank computes the same bits."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_m = tl.arange(0, M_PAD)
     mask = (offs_m < M)[:, None] & (offs_n < C)[None, :]
-    # No PDL wait for the producer's grid (`tp_fused`: the data or its counters order everything this kernel reads).
-    if ON_DATA:
-        parts = _await_parts(PARTS, s_pr, s_pm, offs_m, offs_n, mask, spin_ns, N_RANKS, RANKS_POW2, SPIN_LIMIT)
-        if USE_PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-        ptrs = offs_m[:, None] * s_xm + offs_n[None, :]
-        acc = tl.load(X + ptrs, mask=mask, other=0.0).to(tl.float32)
-        r = tl.arange(0, RANKS_POW2)[:, None, None]
-        for i in tl.static_range(N_RANKS):  # rank order, as `_sum_parts` (one term of each sum is not 0)
-            acc += tl.sum(tl.where(r == i, parts, 0.0), axis=0)
-        tl.store(X + ptrs, acc.to(X.dtype.element_ty), mask=mask)
-    else:
-        _wait_units(UNIT_CNT, pid * (BLOCK_C // UNIT), tl.cdiv(C, UNIT), tl.load(EPOCH) * N_RANKS, spin_ns,
-                    BLOCK_C // UNIT, SPIN_LIMIT)
-        if USE_PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-        _sum_parts(X, s_xm, PARTS, s_pr, s_pm, offs_m, offs_n, mask, N_RANKS)
+    # No PDL wait for the producer's grid (`tp_fused`: the data orders everything this kernel reads).
+    parts = _await_parts(PARTS, s_pr, s_pm, offs_m, offs_n, mask, spin_ns, N_RANKS, RANKS_POW2, SPIN_LIMIT)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    ptrs = offs_m[:, None] * s_xm + offs_n[None, :]
+    acc = tl.load(X + ptrs, mask=mask, other=0.0).to(tl.float32)
+    r = tl.arange(0, RANKS_POW2)[:, None, None]
+    for i in tl.static_range(N_RANKS):  # rank order (one term of each sum is not 0)
+        acc += tl.sum(tl.where(r == i, parts, 0.0), axis=0)
+    tl.store(X + ptrs, acc.to(X.dtype.element_ty), mask=mask)
 
 
 def interpreted() -> bool:

@@ -71,16 +71,33 @@ class GraphConfig:
     # The fused decoder layer (pipeline.models.fused_linear: norms, activation and residuals inside the linears'
     # kernels, seven Triton kernels a layer) for half-precision weights. True: every call of up to 16 rows
     # (B * T); None: on CUDA with the Triton attention and fused RoPE, for batch-1 calls (one row's decode or
-    # verify: 1-3% faster on an H100; at batch 4-16 it measured up to 2% slower, BENCHMARKS.md issue 5); tensor-
-    # parallel graphs with the fused all-reduce take it for every call of up to 16 rows (`fused_all_rows`)
+    # verify: 1-3% faster on an H100; at batch 4-16 it measured up to 2% slower); tensor-parallel graphs with the
+    # fused all-reduce take it for every call of up to 16 rows (`fused_all_rows`)
     fused_layer: bool | None = None
     # Programmatic dependent launch of the Triton kernels (pipeline.models.pdl); None: where the GPU has it
     pdl: bool | None = None
+    # The fused layer's one-row calls (a batch-1 decode or draft step) may multiply on the CUDA cores instead of a
+    # tensor-core tile padded to 16 rows; the tuner times both per shape and keeps the faster (the CUDA cores won
+    # every linear timed on H100s). False: tensor cores only
+    gemv: bool = True
+    # With PDL, the fused layer's linears load their first weight tile before waiting for the previous kernel:
+    # "auto" for float8 weights only (H100 batch-1 steps: float8 1-6% faster, bf16 up to 2% slower), "on", "off"
+    pdl_preload: str = "auto"
+    # Tensor parallel with the fused all-reduce (pipeline.models.tp_fused): how long a rank waits for the others'
+    # partial sums before it traps (failing its CUDA context, so a dead peer cannot leave it spinning); 0: for ever.
+    # Generous: a peer's first call of a shape may compile and tune kernels in between
+    tp_spin_timeout_s: float = 120.0
     # "fp8": the fused layer streams float8 (e4m3) copies of the linear weights with a scale per row
     # (fused_linear.quantize_fp8): half the bytes. For drafters only: it changes the model's outputs, which for a
     # drafter moves acceptance and never the served tokens. Needs the fused layer; takes it for every call of up
     # to 16 rows. Calls past that, and prefill, use the model's own weights.
     weights: str = "model"
+
+    def __post_init__(self) -> None:
+        if self.pdl_preload not in fl.PRELOADS:
+            raise ValueError(f"pdl_preload must be one of {fl.PRELOADS}, got {self.pdl_preload!r}")
+        if not self.tp_spin_timeout_s >= 0:
+            raise ValueError(f"tp_spin_timeout_s must be >= 0 seconds, got {self.tp_spin_timeout_s!r}")
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int | None:
@@ -517,11 +534,10 @@ class GraphCausalLM:
         a, r = self.args, self.runner
         B, T = tokens.shape
         eps, p = a.norm_eps, self.use_pdl
+        kw = {"preload": self.config.pdl_preload, "gemv": self.config.gemv}  # every fused linear's launch options
         tp = self._tp_sites
         pos = positions[:, None] + self._arange[:T]  # [B, T]
         scale = 1.0 / math.sqrt(a.head_dim)
-        if tp is not None:
-            tp.begin()
         x = r.model.tok_embeddings(tokens).view(B * T, -1)  # [B*T, C], a fresh tensor: updated in place
 
         def add_to_x(site: int) -> dict:  # x += this linear's result (TP: pushed as `site`'s partial, see below)
@@ -531,23 +547,25 @@ class GraphCausalLM:
             q8 = self._fp8[i] if self._fp8 else {}
             mat = lambda name: q8.get(name, (getattr(w, name), None))  # noqa: E731 - (weight, float8 row scales)
             wqkv, s_qkv = mat("wqkv")
-            qkv = fl.fused_linear(x, wqkv, w.bqkv, norm_w=w.attn_norm, eps=eps, use_pdl=p, w_scale=s_qkv)
+            qkv = fl.fused_linear(x, wqkv, w.bqkv, norm_w=w.attn_norm, eps=eps, use_pdl=p, w_scale=s_qkv, **kw)
             q = triton_rope_write(qkv.view(B, T, -1), r._cos, r._sin, pos, slots, k_cache, v_cache, a.n_heads,
                                   use_pdl=p)
             y = triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, a.sliding_window, use_pdl=p)
             wo, s_o = mat("wo")
-            fl.fused_linear_heads(y, T, wo, w.bo, use_pdl=p, w_scale=s_o, **add_to_x(2 * i))
+            fl.fused_linear_heads(y, T, wo, w.bo, use_pdl=p, w_scale=s_o, **add_to_x(2 * i), **kw)
             if tp is not None:
                 tp.reduce_into(x, 2 * i, p)
             w13, s_13 = mat("w13")
-            h = fl.fused_linear(x, w13, w.b13, norm_w=w.ffn_norm, eps=eps, gate=True, use_pdl=p, w_scale=s_13)
+            h = fl.fused_linear(x, w13, w.b13, norm_w=w.ffn_norm, eps=eps, gate=True, use_pdl=p, w_scale=s_13,
+                                **kw)
             w2, s_2 = mat("w2")
-            fl.fused_linear(h, w2, w.b2, use_pdl=p, w_scale=s_2, **add_to_x(2 * i + 1))
+            fl.fused_linear(h, w2, w.b2, use_pdl=p, w_scale=s_2, **add_to_x(2 * i + 1), **kw)
             if tp is not None:
                 tp.reduce_into(x, 2 * i + 1, p)
         m = r.model
         w_out, s_out = self._fp8_out or (m.output.weight, None)
-        fl.fused_linear(x, w_out, norm_w=m.norm.weight, eps=eps, out=out.view(B * T, -1), use_pdl=p, w_scale=s_out)
+        fl.fused_linear(x, w_out, norm_w=m.norm.weight, eps=eps, out=out.view(B * T, -1), use_pdl=p, w_scale=s_out,
+                        **kw)
 
 
 def _input_views(block: torch.Tensor, Bmax: int, Tmax: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

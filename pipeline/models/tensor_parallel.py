@@ -51,11 +51,10 @@ from pipeline.models.llama import LlamaArgs, LlamaCausalLM, Transformer, hf_to_l
 log = logging.getLogger(__name__)
 
 # Group sizes at which allreduce="auto" takes the fused layer's own all-reduce (pipeline.models.tp_fused) on the
-# graph path. Batch-1 decode, fused against the one-shot symmetric-memory kernel (BENCHMARKS.md, issue 6):
-# 8B at TP=2, 3.71 vs 4.33 ms on 2 H100s; 8B at TP=4, 2.81 vs 4.06 ms, and 70B at TP=4, 15.3 vs 19.0 ms, on 4 H100s
-# (Update 4; fused has since gained 7-16%: 3.46, 2.35 and 14.1 ms, Update 5). Before the chain-timed tuner, TP=4
-# was even on H100s and fused 31% slower on H200s (not re-measured since). Other sizes (8 GPUs were never lent)
-# keep "symm".
+# graph path. Batch-1 decode, fused against the one-shot symmetric-memory kernel: 8B at TP=2, 3.71 vs 4.33 ms on
+# 2 H100s; 8B at TP=4, 2.81 vs 4.06 ms, and 70B at TP=4, 15.3 vs 19.0 ms, on 4 H100s (fused has since gained
+# 7-16%; docs/benchmarks.md). Before the chain-timed tuner, TP=4 was even on H100s and fused 31% slower on H200s
+# (not re-measured since). Other sizes (never measured on 8 GPUs) keep "symm".
 FUSED_AUTO_RANKS = (2, 4)
 
 # ----------------------------------------------------------------------------------------------------
@@ -436,15 +435,15 @@ class TensorParallelRunner:
 
     Construction waits (barrier) for the followers to enter `follow()`, then opens the control channel with them
     (`tp_control.open_control`; `control`: "auto", the default, takes a Unix socket to each follower on this host,
-    else gloo broadcasts; `spin_ms`: how long followers poll for the next message, default
-    `tp_control.DEFAULT_SPIN_MS` on GPUs, 0 on CPU). Every `allocate`/`forward` is first sent to the followers
+    else gloo broadcasts; "socket" or "gloo" force one; `spin_ms`: how long followers poll for the next message
+    before they block, default None: `tp_control.DEFAULT_SPIN_MS` (20) on GPUs, 0 on CPU). Every `allocate`/`forward` is first sent to the followers
     (one message: a header and the int64 inputs), then run on every rank. Inputs are checked here first, so a bad
     call fails on rank 0 alone and never desynchronises the group. `heartbeat_s`: idle followers get a no-op this often (keep it well below
     the control timeout). `on_failure(err)` runs once when the group breaks (serving: exit the process).
     """
 
     def __init__(self, runner: Any, tp: TPContext, heartbeat_s: Optional[float] = 5.0,
-                 on_failure: Optional[Callable[[BaseException], None]] = None, control: Optional[str] = None,
+                 on_failure: Optional[Callable[[BaseException], None]] = None, control: str = "auto",
                  spin_ms: Optional[float] = None) -> None:
         from pipeline.models.tp_control import open_control
 
@@ -635,7 +634,7 @@ def tensor_parallel_graphs(runner: LlamaCausalLM, config: Any = None, allreduce:
     if fused:
         try:
             g._tp_sites = setup_fused_allreduce(group, runner.device, fl.LAYER_MAX_ROWS, runner.args.dim,
-                                                2 * runner.args.n_layers, runner.dtype)
+                                                2 * runner.args.n_layers, runner.dtype, g.config.tp_spin_timeout_s)
         except Exception as e:  # noqa: BLE001 - "auto" falls back (the self-test fails on every rank at once)
             if allreduce == "fused":
                 raise
@@ -645,7 +644,7 @@ def tensor_parallel_graphs(runner: LlamaCausalLM, config: Any = None, allreduce:
         g.fused_layer = False  # the fused layer has no all-reduce between its linears: the swapped math below serves
     # Every call of up to 16 rows takes the fused layer, not only batch 1's: the swapped math's sums (a copy, an
     # all-reduce kernel, the residual add, twice a layer) cost more than the unfused layer gains over the fused one
-    # at batch 4-16 at TP=1 (batch-8 decode at TP=2: 4.47 -> 3.70 ms; BENCHMARKS.md issue 6, Update 10).
+    # at batch 4-16 at TP=1 (batch-8 decode at TP=2 on H100s: 4.47 -> 3.70 ms).
     g.fused_all_rows = fused
 
     def attn_proj(y: torch.Tensor, wo: torch.Tensor, bo: Optional[torch.Tensor], T: int, lk: str) -> torch.Tensor:

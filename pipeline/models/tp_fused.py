@@ -19,136 +19,96 @@ reduce needs no PDL wait for the producer's grid. What it reads besides (x) was 
 PDL wait. This is the "Lamport" scheme of TensorRT-LLM's low-latency all-reduce, with one sentinel and two
 buffers (below).
 
-The data wait is the default (`SPECSERVE_TP_WAIT=data`). It replaced unit counters (`SPECSERVE_TP_WAIT=counters`,
-kept for comparison): each producer program, after a barrier, added 1 to every rank's counter of each 16 columns
-(`fused_linear.UNIT`) it wrote, release at system scope, and a reduce program waited (acquire) until its columns'
-counters reached `epoch * ranks`. A system-scope release has to see the program's remote writes land before its
-atomics go out, so the signal follows the data instead of travelling with it. Measured on 4x H100 (BENCHMARKS.md
-issue 6, Update 10; batch-1 decode, the Llama-3-8B shape), the same logits to the bit: TP=2 3.404 -> 3.225 ms in
-one process pair, TP=4 2.21 (Update 9) -> 1.988 ms, 70B at TP=4 14.2 (Update 9) -> 13.5 ms. Per layer
-(`ops/step_timeline.py`) the output projection's exposed time fell from 11.5 to 7.4 us and the down projection's
-from 24.5 to 21.5; the reduces' rose from 1.9 to 4.0 (they now do the waiting).
-
-Before (stop 17): one counter a site, bumped by the producer's last program (a ticket on its GPU), and a reduce
-of 4 programs of 1024 columns behind a PDL wait. Per-unit counters make a reduce program wait only for the
-peers' programs of its own columns, and spread the sum over 64 programs. Measured (BENCHMARKS.md, issue 6,
-Update 5; 4x H100, batch-1 decode, the Llama-3-8B shape): TP=2 3.72 -> 3.47 ms, TP=4 2.81 -> 2.36 ms, and
-70B at TP=4 15.3 -> 14.0 ms. Tried in the same runs and not kept:
-- summing in the producer itself (each program waits for its peers' twins and adds its own columns; no reduce
-  kernel at all): 2-3% slower at TP=2 and TP=4;
-- the reduce letting the next kernel launch before its wait: 2-3% slower; 1 warp a program, or 32-256 columns a
-  program: no change.
-Against "symm" (a copy, then PyTorch's one-shot all-reduce kernel, then the residual add; `tp_allreduce`): "fused"
-was 14% faster at TP=2 and 31% at TP=4 already before this change (Update 4). `tensor_parallel_graphs(...,
-allreduce="auto")` takes it at 2 and 4 ranks (`FUSED_AUTO_RANKS`). Summing the partials inside the next
-linear's RMSNorm prologue instead (no kernel) was slower on H200s (3.81 and 4.27 ms), and again with the unit
-counters on 4 H100s (TP=2 5.52 against 3.44 ms, TP=4 5.34 against 2.32; BENCHMARKS.md issue 6, Update 6): every
-program of that linear polls every counter of the site and reads every rank's partial for each of its K tiles.
+Measured on 4x H100 (batch-1 decode, the Llama-3-8B shape; docs/benchmarks.md), against per-16-column
+release/acquire counters signalled by each producer program after its stores (the same logits to the bit): TP=2
+3.404 -> 3.225 ms, TP=4 2.21 -> 1.988 ms, 70B at TP=4 14.2 -> 13.5 ms. A system-scope release has to see the
+program's remote writes land before its atomics go out, so a signal follows the data instead of travelling with
+it. Also measured and not kept: summing in the producer itself (each program waits for its peers' twins; no reduce
+kernel): 2-3% slower at TP=2 and TP=4; the reduce letting the next kernel launch before its wait: 2-3% slower;
+summing the partials inside the next linear's RMSNorm prologue (no kernel): TP=2 5.52 against 3.44 ms, TP=4 5.34
+against 2.32 (every program of that linear polls the whole site). Against "symm" (`tp_allreduce`), "fused" was 14%
+faster at TP=2 and 31% at TP=4 before either change; `tensor_parallel_graphs(..., allreduce="auto")` takes it at 2
+and 4 ranks (`FUSED_AUTO_RANKS`).
 
 The logits stay a gather after the graph (`tensor_parallel.gather_vocab`). Gathering them here instead, from the
 output layer's epilogue into every rank's logits area with a waiting kernel at the end of the graph, was exact and
-11 us slower at TP=4 on H100s (BENCHMARKS.md issue 6, Update 8): the output layer has 1,002 programs a rank, each
-with its remote writes and system-scope signals.
+11 us slower at TP=4 on H100s: the output layer has 1,002 programs a rank, each with its remote writes.
 
 Site s of a step: 2i is layer i's output projection, 2i+1 its down projection. Every forward must push and
-reduce every site once (`reset()` after anything else, like `self_test`): a reduce empties the slots it read, and
-with the counters, `epoch` counts forwards (`begin()`, a one-thread kernel at the start of each) while counters
-only grow (int64). Nothing is reset between steps or CUDA graph replays. Two partial buffers (even and odd sites)
-are enough: rank A writes site s+2's partials only after its reduce of s+1 saw every rank's s+1 partials, which
-each rank pushed only after its reduce of s had finished, emptied slots included (the producer's PDL wait follows
-a chain of PDL waits back to that reduce).
+reduce every site once (`reset()` after anything else): a reduce empties the slots it read. Nothing is reset
+between steps or CUDA graph replays. Two partial buffers (even and odd sites) are enough: rank A writes site s+2's
+partials only after its reduce of s+1 saw every rank's s+1 partials, which each rank pushed only after its reduce of
+s had finished, emptied slots included (the producer's PDL wait follows a chain of PDL waits back to that reduce).
 
-A rank that dies mid-step must not leave its peers' GPUs spinning: `reduce_into` gives up after
-`SPECSERVE_TP_SPIN_TIMEOUT_S` (default 120 s) and traps, which fails that process's CUDA context and with it the
-replica (seen on 4 H200s with the counters: a wrong count made all four ranks exit, none hung).
+A rank that dies mid-step must not leave its peers' GPUs spinning: `reduce_into` gives up after `spin_timeout_s`
+(`GraphConfig.tp_spin_timeout_s`, default 120 s) and traps, which fails that process's CUDA context and with it
+the replica.
 
 Ranks must run the same sequence of fused forwards (the SPMD lockstep the tensor-parallel runner keeps). The
 layout and the protocol are tested on CPU under Triton's interpreter with the ranks simulated in one process
-(tests/test_graph_kernels.py); across GPUs by `self_test` at start and `ops/tp_bench.py` (logits against TP=1).
+(tests/pipeline/models/test_kernels.py); across GPUs by `self_test` at start and `ops/tp_bench.py` (logits against
+TP=1).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, Sequence
 
 import torch
 
-from pipeline.models.fused_linear import UNIT, Push
+from pipeline.models.fused_linear import Push
 
 _ALIGN = 256
 # How long `reduce_into` waits for the other ranks' partials before it gives up and fails its process's CUDA
 # context: a rank that died mid-step must not leave its peers' GPUs spinning for ever. Generous: a peer's first
 # call of a shape may compile and tune kernels in between.
-SPIN_TIMEOUT_S = float(os.environ.get("SPECSERVE_TP_SPIN_TIMEOUT_S", "120"))
-REDUCE_COLS = 64  # `reduce_into`'s columns a program (32-256 measured alike on 4x H100; a multiple of UNIT)
-# How a reduce knows its partials are in: "data" (they are written over -0.0, which marks an empty slot, so it
-# polls the values themselves; no fence, no counter) or "counters" (each producer program's release atomics).
-WAITS = ("data", "counters")
-WAIT = os.environ.get("SPECSERVE_TP_WAIT", "data")
-if WAIT not in WAITS:
-    raise ValueError(f"SPECSERVE_TP_WAIT must be one of {WAITS}, got {WAIT!r}")
+SPIN_TIMEOUT_S = 120.0
+REDUCE_COLS = 64  # `reduce_into`'s columns a program (32-256 measured alike on 4x H100)
 _EMPTY = -(1 << 31)  # the int32 bits of float32 -0.0 (fused_linear_triton.EMPTY)
 
 
 class SiteBuffers:
-    """One rank's view of the partial buffers and unit counters of every site (see the module doc).
+    """One rank's view of the partial buffers of every site (see the module doc).
 
-    `buf`: this rank's block of `SiteBuffers.nbytes(...)` bytes, zeroed, in memory every rank can write
-    (symmetric memory; plain memory for tests); `bases`: every rank's block address, in rank order."""
+    `buf`: this rank's block of `SiteBuffers.nbytes(...)` bytes, in memory every rank can write (symmetric memory;
+    plain memory for tests); `bases`: every rank's block address, in rank order. `spin_timeout_s`: how long a
+    reduce waits for the other ranks' partials before it traps (0: for ever)."""
 
     def __init__(self, buf: torch.Tensor, bases: Sequence[int], rank: int, rows: int, hidden: int,
-                 n_sites: int, wait: str | None = None) -> None:
+                 n_sites: int, spin_timeout_s: float = SPIN_TIMEOUT_S) -> None:
         R = len(bases)
-        self.wait = wait or WAIT
-        assert self.wait in WAITS, self.wait
         assert 0 <= rank < R and buf.dtype == torch.uint8 and buf.numel() >= self.nbytes(R, rows, hidden, n_sites)
+        assert spin_timeout_s >= 0, f"spin_timeout_s must be >= 0, got {spin_timeout_s}"
         self.rank, self.n_ranks, self.rows, self.hidden, self.n_sites = rank, R, rows, hidden, n_sites
-        self.n_units = -(-hidden // UNIT)
+        self.spin_timeout_s = spin_timeout_s
         part_bytes = R * rows * hidden * 4
-        cnt_off = _round_up(2 * part_bytes)
         self.parts = buf[: 2 * part_bytes].view(torch.float32).view(2, R, rows, hidden)
-        self.counters = buf[cnt_off : cnt_off + 8 * n_sites * self.n_units].view(torch.int64).view(n_sites, -1)
-        dev = buf.device
-        self.epoch = torch.zeros(1, dtype=torch.int64, device=dev)
-        self._peer_parts = [torch.tensor([b + p * part_bytes for b in bases], dtype=torch.int64, device=dev)
+        self._peer_parts = [torch.tensor([b + p * part_bytes for b in bases], dtype=torch.int64, device=buf.device)
                             for p in range(2)]
-        self._peer_units = torch.tensor([[b + cnt_off + 8 * s * self.n_units for b in bases] for s in range(n_sites)],
-                                        dtype=torch.int64, device=dev)
         self._empty_parts()
 
     def _empty_parts(self) -> None:
-        """Every partial slot back to -0.0, "not written" (the data wait; ignored by the counters')."""
+        """Every partial slot back to -0.0, "not written"."""
         self.parts.view(torch.int32).fill_(_EMPTY)
 
     @staticmethod
     def nbytes(n_ranks: int, rows: int, hidden: int, n_sites: int) -> int:
-        return _round_up(2 * n_ranks * rows * hidden * 4) + 8 * n_sites * -(-hidden // UNIT)
-
-    def begin(self) -> None:
-        """Start a forward: epoch += 1 (one kernel, ordinary stream order; nothing with the data wait)."""
-        if self.wait == "data":
-            return
-        from pipeline.models import fused_linear_triton as kern
-
-        kern.bump_epoch_kernel[(1,)](self.epoch)
+        """Bytes of one rank's block: two partial buffers of [n_ranks, rows, hidden] float32 (even and odd sites)."""
+        return _round_up(2 * n_ranks * rows * hidden * 4)
 
     def reset(self, group: Any = None) -> None:
-        """Counters and epoch back to 0, on every rank of `group` at once (collective; no forward in flight)."""
+        """Every slot empty again, on every rank of `group` at once (collective; no forward in flight)."""
         import torch.distributed as dist
 
-        self.counters.zero_()
-        self.epoch.zero_()
         self._empty_parts()
-        if self.epoch.is_cuda:
-            torch.cuda.synchronize(self.epoch.device)
+        if self.parts.is_cuda:
+            torch.cuda.synchronize(self.parts.device)
         if dist.is_initialized():
-            dist.barrier(group=group)  # no rank pushes into a block that is not yet zeroed
+            dist.barrier(group=group)  # no rank pushes into a block that is not yet emptied
 
     def push(self, site: int) -> Push:
         assert 0 <= site < self.n_sites, site
-        return Push(self._peer_parts[site % 2], self._peer_units[site], self.rank, self.rows, self.hidden,
-                    signal=self.wait == "counters")
+        return Push(self._peer_parts[site % 2], self.rank, self.rows, self.hidden)
 
     def reduce_into(self, x: torch.Tensor, site: int, use_pdl: bool = False) -> None:
         """x [M, C] += every rank's partial of `site`, in place, once they are all in (one small kernel)."""
@@ -158,20 +118,19 @@ class SiteBuffers:
         M, C = x.shape
         assert C == self.hidden and M <= self.rows and x.stride(1) == 1, (tuple(x.shape), self.hidden, self.rows)
         parts = self.parts[site % 2]
+        spin_ns = _spin_ns(self.spin_timeout_s)
         kern.reduce_partials_kernel[(-(-C // REDUCE_COLS),)](
-            x, parts, self.counters[site], self.epoch,
-            M, C, x.stride(0), parts.stride(0), parts.stride(1), _spin_ns(),
+            x, parts, M, C, x.stride(0), parts.stride(0), parts.stride(1), spin_ns,
             N_RANKS=self.n_ranks, M_PAD=_next_pow2(M), BLOCK_C=REDUCE_COLS, USE_PDL=use_pdl,
-            SPIN_LIMIT=_spin_ns() > 0, ON_DATA=self.wait == "data", RANKS_POW2=_next_pow2(self.n_ranks),
-            num_warps=4, **launch_kwargs(use_pdl))
+            SPIN_LIMIT=spin_ns > 0, RANKS_POW2=_next_pow2(self.n_ranks), num_warps=4, **launch_kwargs(use_pdl))
 
 
-def _spin_ns() -> int:
+def _spin_ns(timeout_s: float) -> int:
     """How long a wait for the other ranks may spin before it traps, in ns (0: no limit; under the interpreter,
     which has no timer, always 0)."""
     from pipeline.models import fused_linear_triton as kern
 
-    return 0 if kern.interpreted() else int(SPIN_TIMEOUT_S * 1e9)
+    return 0 if kern.interpreted() else int(timeout_s * 1e9)
 
 
 def _next_pow2(n: int) -> int:
@@ -182,7 +141,8 @@ def _round_up(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def symmetric_sites(group: Any, device: torch.device, rows: int, hidden: int, n_sites: int) -> SiteBuffers:
+def symmetric_sites(group: Any, device: torch.device, rows: int, hidden: int, n_sites: int,
+                    spin_timeout_s: float = SPIN_TIMEOUT_S) -> SiteBuffers:
     """`SiteBuffers` over a zeroed PyTorch symmetric-memory block (peer-to-peer access over NVLink; never
     multicast). Collective: every rank of `group` calls it. Raises where symmetric memory is unavailable."""
     import torch.distributed as dist
@@ -196,7 +156,7 @@ def symmetric_sites(group: Any, device: torch.device, rows: int, hidden: int, n_
     buf = symm_mem.empty(SiteBuffers.nbytes(R, rows, hidden, n_sites), dtype=torch.uint8, device=device)
     handle = symm_mem.rendezvous(buf, name)
     buf.zero_()
-    sites = SiteBuffers(buf, list(handle.buffer_ptrs), dist.get_rank(group), rows, hidden, n_sites)
+    sites = SiteBuffers(buf, list(handle.buffer_ptrs), dist.get_rank(group), rows, hidden, n_sites, spin_timeout_s)
     torch.cuda.synchronize(device)
     dist.barrier(group=group)  # every block is zeroed and emptied before any rank pushes into it
     return sites
@@ -204,20 +164,19 @@ def symmetric_sites(group: Any, device: torch.device, rows: int, hidden: int, n_
 
 def self_test(sites: SiteBuffers, group: Any, dtype: torch.dtype, reps: int = 2) -> None:
     """Push small-integer partials (different on every rank, so every sum is exact) through both partial buffers
-    and reduce them into a residual stream, `reps` times: a setup whose peer writes or counters do not arrive
-    exactly is refused here, on every rank at once, not met mid-request."""
+    and reduce them into a residual stream, `reps` times: a setup whose peer writes do not arrive exactly is
+    refused here, on every rank at once, not met mid-request."""
     import torch.distributed as dist
 
     from pipeline.models import fused_linear as fl
 
-    dev, R, C = sites.epoch.device, sites.n_ranks, sites.hidden
+    dev, R, C = sites.parts.device, sites.n_ranks, sites.hidden
     M, K = 2, 32
     x = torch.ones(M, K, dtype=dtype, device=dev)
     n = torch.arange(C, device=dev)[:, None]
     k = torch.arange(K, device=dev)[None, :]
     ok = True
     for rep in range(reps):
-        sites.begin()
         res = torch.arange(M * C, device=dev).remainder(5).to(dtype).view(M, C)
         for site in (0, 1):
             w = [((n + k + r + rep + site) % 3 - 1).to(dtype) for r in range(R)]  # [C, K] of -1, 0, 1
@@ -229,12 +188,12 @@ def self_test(sites: SiteBuffers, group: Any, dtype: torch.dtype, reps: int = 2)
     dist.all_reduce(flag, group=group)  # after every rank's reduces, hence after every push into this rank
     if int(flag.item()):
         raise RuntimeError(f"fused all-reduce self-test: {int(flag.item())} of {R} ranks summed wrongly")
-    sites.reset(group)  # only sites 0 and 1 were used: every site's count must match the epoch again
+    sites.reset(group)  # every slot empty again, on every rank, before the first forward
 
 
 def setup_fused_allreduce(group: Any, device: torch.device, rows: int, hidden: int, n_sites: int,
-                          dtype: torch.dtype = torch.bfloat16) -> SiteBuffers:
+                          dtype: torch.dtype = torch.bfloat16, spin_timeout_s: float = SPIN_TIMEOUT_S) -> SiteBuffers:
     """`symmetric_sites`, then `self_test`: what `tensor_parallel_graphs` sets up for allreduce='fused'."""
-    sites = symmetric_sites(group, device, rows, hidden, n_sites)
+    sites = symmetric_sites(group, device, rows, hidden, n_sites, spin_timeout_s)
     self_test(sites, group, dtype)
     return sites

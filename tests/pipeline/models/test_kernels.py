@@ -58,7 +58,7 @@ def test_fused_default_config_follows_the_chain_timings():
     assert fl.default_config(1, 14336, 4096, 132, gate=True).block_k == 256
 
 
-def test_one_row_calls_tune_cuda_core_and_tensor_core_products(monkeypatch):
+def test_one_row_calls_tune_cuda_core_and_tensor_core_products():
     from pipeline.models import fused_linear as fl
 
     one = fl.tuning_candidates(1, 4096, 14336, 132, False, 2)
@@ -66,8 +66,7 @@ def test_one_row_calls_tune_cuda_core_and_tensor_core_products(monkeypatch):
     assert kinds == {True, False}, "one row: both products are timed"
     assert all(not c.gemv for c in fl.tuning_candidates(2, 4096, 14336, 132, False, 2)), "2+ rows: tensor cores"
     assert fl.gemv_default(4096, 14336, 132).gemv
-    monkeypatch.setattr(fl, "GEMV", "off")
-    assert all(not c.gemv for c in fl.tuning_candidates(1, 4096, 14336, 132, False, 2))
+    assert all(not c.gemv for c in fl.tuning_candidates(1, 4096, 14336, 132, False, 2, use_gemv=False))
     x = torch.zeros(2, 64, dtype=torch.bfloat16)
     w = torch.zeros(16, 64, dtype=torch.bfloat16)
     with pytest.raises(AssertionError, match="one-row calls"):
@@ -89,7 +88,6 @@ def test_tuning_chains_outgrow_l2():
 
 @pytest.mark.parametrize("script,bad_args,first_words", [
     ("linear_chain_bench", ["--sets", "9b"], "linear_chain_bench: unknown variant, set or kind '9b'"),
-    ("persistent_bench", ["--sets", "9b"], "persistent_bench: bad arguments"),
 ])
 def test_gpu_bench_scripts_refuse_in_one_line(script, bad_args, first_words):
     """Bad arguments: one line, exit 2, before any GPU work; without a GPU: one line saying so."""
@@ -153,6 +151,17 @@ def test_fused_layer_is_off_by_default_on_cpu_and_refused_without_its_kernels():
         GraphCausalLM(random_llama(args, "cpu", torch.bfloat16), replace(base, weights="fp8"))
     with pytest.raises(ValueError, match="weights must be"):
         GraphCausalLM(random_llama(args, "cpu", torch.bfloat16), replace(base, weights="int4"))
+
+
+def test_graph_config_refuses_bad_kernel_choices():
+    """The fused layer's launch options are typed fields, checked when the config is made."""
+    from pipeline.models.graphs import GraphConfig
+
+    assert GraphConfig().gemv and GraphConfig().pdl_preload == "auto" and GraphConfig().tp_spin_timeout_s == 120.0
+    with pytest.raises(ValueError, match="pdl_preload must be one of"):
+        GraphConfig(pdl_preload="early")
+    with pytest.raises(ValueError, match="tp_spin_timeout_s must be >= 0"):
+        GraphConfig(tp_spin_timeout_s=-1.0)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
