@@ -4,7 +4,7 @@ Plain classes become deployments here, with options from the pure `deployment_op
 
     EmbeddedRedis (only without redis_url)  <- Coordinator, Ingress
     Target  <- Coordinator                     (control calls; the hot loop calls the workers directly)
-    Drafter <- Coordinator                     (only with drafter.method "model" or "hybrid")
+    Drafter <- Coordinator                     (only when drafter.draft names a model: "MODEL" or "lookup+MODEL")
     Coordinator <- Ingress (HTTP, FastAPI)
 
 `serve run deployments.app:app_builder` / a Serve config file with `import_path: deployments.app:app_builder`

@@ -26,7 +26,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.config import AppConfig
+from deployments import metrics, tracing  # tracing is a no-op unless OTEL_EXPORTER_OTLP_ENDPOINT is set
+from deployments.config import NO_DRAFT, AppConfig
+from deployments.messages import GenerateRequest
 from deployments.protocol import (
     APIError, chat_chunk, completion_chunk, full_response, models_list, now, parse_request,
     resolve_max_tokens, usage, usage_chunk,
@@ -35,8 +37,6 @@ from deployments.redis_state import RequestStore, redis_url_getter
 from deployments.sse import event_id, parse_event_id, sse_stream
 
 logger = logging.getLogger(__name__)
-
-from deployments import metrics, tracing  # ops hooks: tracing is a no-op unless OTEL_EXPORTER_OTLP_ENDPOINT is set
 
 MAX_FAILOVERS = 5  # coordinator losses one request survives
 
@@ -54,7 +54,7 @@ class OpenAIIngress:
         self.model_name = self.cfg.served_model_name or info["name"]
         self.max_seq_len = int(info["max_seq_len"])
         self.vocab_size = int(info["vocab_size"])
-        self.has_drafter = info["drafter"] != "none"
+        self.has_drafter = info["drafter"] != NO_DRAFT
         self.tokenizer = None
         if info["has_tokenizer"]:
             from pipeline.models.loader import load_tokenizer
@@ -102,23 +102,18 @@ class OpenAIIngress:
             return JSONResponse(err.body(), status_code=err.status)
 
         rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
-        payload = {
-            "request_id": rid, "kind": kind, "model": self.model_name, "created": now(),
-            "prompt_ids": prompt_ids,
-            "params": {**params.__dict__, "stop": list(params.stop)},
-            "spec": {"num_draft_tokens": spec.num_draft_tokens, "draft_top_k": spec.draft_top_k},
-        }
         # The request's root span (a child of the client's `traceparent`, if any); the timer ends it.
         span = tracing.start_span(f"POST {request.url.path}", parent=dict(request.headers), request_id=rid,
                                   prompt_tokens=len(prompt_ids), max_tokens=max_tokens, k=spec.num_draft_tokens)
-        payload["trace"] = tracing.carrier_of(span)
+        payload = GenerateRequest(request_id=rid, kind=kind, model=self.model_name, created=now(),
+                                  prompt_ids=prompt_ids, params=params, spec=spec, trace=tracing.carrier_of(span))
         events = self._events(rid, lambda: self.coord.options(stream=True).generate.remote(payload))
         timer = metrics.RequestTimer(len(prompt_ids), span=span)
         if req.stream:
-            chunks = self._chunks(kind, rid, payload["created"], events, req.include_usage, timer)
+            chunks = self._chunks(kind, rid, payload.created, events, req.include_usage, timer)
             return StreamingResponse(sse_stream(chunks), media_type="text/event-stream",
                                      headers={"X-Request-Id": rid, "Cache-Control": "no-cache"})
-        return await self._aggregate(kind, rid, payload["created"], events, timer)
+        return await self._aggregate(kind, rid, payload.created, events, timer)
 
     async def _read_json(self, request: Request) -> Any:
         limit = self.cfg.ingress.max_body_bytes

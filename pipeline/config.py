@@ -7,7 +7,23 @@ message for bad input. pydantic lives only at the edges (deployments/).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Literal
+
+
+# The drafter vocabulary (CLI --draft, `SpeculativeEngine.from_pretrained(draft=...)`, Serve `drafter.draft`):
+PROMPT_LOOKUP = "prompt-lookup"  # n-gram copy from the context (pipeline.drafters.PromptLookupDrafter)
+HYBRID_PREFIX = "lookup+"  # "lookup+MODEL": prompt lookup where it matches, the model elsewhere (HybridDrafter)
+NO_DRAFT = "none"  # target-only decoding (the Python API says None)
+DEFAULT_DRAFT = "default"  # the target's default drafter (pipeline.engine.default_draft)
+# anything else names a draft model: a folder, a .gguf file or a shipped drafter's name
+
+
+def draft_model_spec(spec: str) -> str | None:
+    """The draft model a drafter spec names (for a hybrid, its model part); None for prompt lookup or none."""
+    if spec in (PROMPT_LOOKUP, NO_DRAFT):
+        return None
+    return spec[len(HYBRID_PREFIX):] if spec.startswith(HYBRID_PREFIX) else spec
 
 
 @dataclass(frozen=True)
@@ -79,4 +95,15 @@ class EngineConfig:
     max_seq_len: int = 2048  # prompt + generated tokens per request (cache length is this + K + 1)
     device: str = "cpu"
     dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
-    extra: dict = field(default_factory=dict)
+    graphs: bool = True  # models on CUDA run on the static-shape CUDA-graph path (pipeline.models.graphs)
+    # A draft model's weights on the graph path: "model" (its own) or "fp8" (float8 copies streamed by the fused
+    # layer: half the bytes; acceptance may move, the output cannot: rejection sampling keeps the target's
+    # distribution).
+    draft_weights: Literal["model", "fp8"] = "model"
+
+    def __post_init__(self) -> None:
+        if self.draft_weights not in ("model", "fp8"):
+            raise ValueError(f"draft_weights must be 'model' or 'fp8', got {self.draft_weights!r}")
+        if self.draft_weights != "model" and not self.graphs:
+            raise ValueError(f"draft_weights={self.draft_weights!r} is an option of the graph path, "
+                             "which graphs=False turns off")

@@ -99,7 +99,7 @@ def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.1) -> Any
 
 def tiny_engine(tiny_models: dict, max_batch_size: int, max_seq_len: int, hybrid: bool = False):
     """The in-process reference for the Serve tests: the tiny llama target with the tiny model drafter (behind
-    prompt lookup with `hybrid`, as the Serve app's drafter.method 'hybrid')."""
+    prompt lookup with `hybrid`, as the Serve app's drafter.draft 'lookup+MODEL')."""
     from pipeline.config import EngineConfig
     from pipeline.drafters import HybridDrafter, ModelDrafter
     from pipeline.engine import SpeculativeEngine
