@@ -24,6 +24,8 @@ from typing import Any, AsyncIterator, Callable, Optional
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments import metrics, tracing  # tracing is a no-op unless OTEL_EXPORTER_OTLP_ENDPOINT is set
@@ -35,6 +37,7 @@ from deployments.protocol import (
 )
 from deployments.redis_state import RequestStore, redis_url_getter
 from deployments.sse import event_id, parse_event_id, sse_stream
+from pipeline.models.loader import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +60,6 @@ class OpenAIIngress:
         self.has_drafter = info["drafter"] != NO_DRAFT
         self.tokenizer = None
         if info["has_tokenizer"]:
-            from pipeline.models.loader import load_tokenizer
-
             self.tokenizer = load_tokenizer(info["path"])
         self.store = await RequestStore.connect(redis_url_getter(self.cfg, redis), self.cfg.redis_namespace,
                                                 self.cfg.request_ttl_s)
@@ -180,8 +181,6 @@ class OpenAIIngress:
 
     async def _events(self, rid: str, start: Callable[[], Any], after: int = -1) -> AsyncIterator[dict]:
         """Events of one request from a coordinator, surviving coordinator loss (dedup by index)."""
-        from ray.exceptions import ActorUnavailableError, RayActorError
-
         delivered = after
         stream = start()
         failovers = 0
@@ -307,8 +306,6 @@ def make_fastapi_app() -> FastAPI:
 
 def make_ingress(cls: type = OpenAIIngress, app: Optional[FastAPI] = None) -> type:
     """Apply the route table to a subclass of `cls` and wrap it with `serve.ingress`."""
-    from ray import serve
-
     app = app or make_fastapi_app()
     routed = {name: route(app)(_fresh_copy(getattr(cls, name))) for name, route in ENDPOINTS.items()}
     new_cls = type(cls.__name__, (cls,), routed)

@@ -29,7 +29,10 @@ from deployments import metrics, tracing
 from deployments.batching import AGAIN, StepBatcher
 from deployments.config import TARGET, AppConfig
 from deployments.messages import PREFILL_CHUNK, VerifyCall
+from deployments.tp_group import leader_runner, spawn_tensor_parallel_workers
 from deployments.workers import CACHE_MISS, ModelHost, spawn_workers, warm_up
+from pipeline.models.graphs import graphs_on_cuda
+from pipeline.models.loader import load_model
 from pipeline.sampling import SamplingTensors
 from pipeline.step import CACHE_SLACK, Verdict, pack, verify_and_accept
 
@@ -49,13 +52,8 @@ class TargetWorker:
         assert rank == 0, "ranks > 0 of a tensor-parallel replica are tp_group.RankFollower actors"
         torch.set_num_threads(torch_threads)
         if world_size > 1:  # rank 0 of a tensor-parallel group: each pass is broadcast to the other ranks
-            from deployments.tp_group import leader_runner
-
             self.model = leader_runner(model, world_size, tp_init_method, device, dtype, allreduce=tp_allreduce)
         else:
-            from pipeline.models.graphs import graphs_on_cuda
-            from pipeline.models.loader import load_model
-
             # CUDA: the static-shape graph runner (as the engine and tensor-parallel ranks use); CPU unchanged.
             self.model = graphs_on_cuda(load_model(model, device=device, dtype=dtype)[0])
         max_seq_len = min(max_seq_len, self.model.info.max_position_embeddings or max_seq_len)
@@ -174,9 +172,7 @@ class TargetServer(ModelHost):
     async def __init__(self, config: dict[str, Any]) -> None:
         cfg = AppConfig.model_validate(config)
         t = cfg.target
-        spawn = spawn_workers
-        if t.tensor_parallel_size > 1:
-            from deployments.tp_group import spawn_tensor_parallel_workers as spawn
+        spawn = spawn_tensor_parallel_workers if t.tensor_parallel_size > 1 else spawn_workers
         self.workers = spawn(
             TargetWorker, TARGET, t.resources, t.tensor_parallel_size,
             model=t.model, max_batch_size=t.max_batch_size, max_seq_len=t.max_seq_len, device=t.device,

@@ -14,8 +14,11 @@ from typing import Protocol, Sequence
 import numpy as np
 import torch
 
-from pipeline.config import HYBRID_PREFIX, PROMPT_LOOKUP, draft_model_spec
+from pipeline.compat import check_compatible
+from pipeline.config import HYBRID_PREFIX, PROMPT_LOOKUP, draft_model_spec  # noqa: F401 - draft_model_spec: re-exported
 from pipeline.models.base import CausalLM
+from pipeline.models.loader import load_model
+from pipeline.models.store import resolve
 from pipeline.rejection import DraftBlock
 from pipeline.rng import Stream, uniform
 from pipeline.sampling import SamplingTensors, sample_from_probs, warp
@@ -365,10 +368,6 @@ def build_drafter(spec: str | None, target_info, tokenizer, device: str = "cpu",
         return PromptLookupDrafter()
     if spec.startswith(HYBRID_PREFIX):
         return HybridDrafter(build_drafter(spec[len(HYBRID_PREFIX):], target_info, tokenizer, device, dtype))
-    from pipeline.compat import check_compatible
-    from pipeline.models.loader import load_model
-    from pipeline.models.store import resolve
-
     draft_model, draft_tok = load_model(str(resolve(spec)), device=device, dtype=dtype)
     check_compatible(target_info, tokenizer, draft_model.info, draft_tok)
     return ModelDrafter(draft_model)

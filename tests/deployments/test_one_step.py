@@ -1,0 +1,82 @@
+"""One speculative step, two paths: a request through the in-process engine and through the Serve app (real Ray,
+real Redis) gives the same events, step by step, and the same output.
+
+Both paths run the pieces of `pipeline.step` with the same tiny target and drafter: prompt lookup where the context
+repeats, the model drafter elsewhere (`lookup+MODEL`; the model part runs on a drafter replica in Serve), a fixed
+K (the adaptive policy off, so both take the same K every step), greedy and seeded-sampled.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.support.serve import run_app, sse_events, tiny_engine
+
+pytestmark = pytest.mark.slow
+
+APP = "onestep"
+MODEL = "tiny-llama"
+MAX_SEQ_LEN = 256
+K = 3
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models):
+    from ray import serve
+
+    from deployments.app import build_app
+
+    config = {
+        "served_model_name": MODEL,
+        "target": {"model": str(tiny_models["llama"]), "max_seq_len": MAX_SEQ_LEN, "max_batch_size": 4},
+        "drafter": {"draft": "lookup+" + str(tiny_models["draft"])},
+        "coordinator": {"adaptive_k": False},
+        "speculation": {"num_draft_tokens": K},
+    }
+    url = run_app(build_app(config), APP)
+    yield url
+    serve.delete(APP)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_models):
+    return tiny_engine(tiny_models, max_batch_size=4, max_seq_len=MAX_SEQ_LEN, hybrid=True)
+
+
+def serve_events(server: str, body: dict) -> tuple[list[list[int]], dict]:
+    """Token ids of each step event, and the final usage chunk."""
+    steps, final = [], None
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for _, data in sse_events(r.iter_lines()):
+            if data == "[DONE]":
+                break
+            assert "error" not in data, data
+            if data["choices"]:
+                steps.append(data["choices"][0]["token_ids"])
+            else:
+                final = data
+    return steps, final
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 7}],
+                         ids=["greedy", "seeded"])
+def test_engine_and_serve_run_the_same_steps(server, engine, sampling):
+    from pipeline.config import SamplingParams, SpecParams
+
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2, 40, 50, 60]  # repeats (prompt lookup drafts) and fresh (the model drafts)
+    before = engine.drafter.lookup_rows, engine.drafter.model_rows
+    events = list(engine.stream(prompt, SamplingParams(max_tokens=40, ignore_eos=True, **sampling), SpecParams(K)))
+    assert engine.drafter.lookup_rows > before[0] and engine.drafter.model_rows > before[1]  # both drafters ran
+    result = events[-1].result
+
+    steps, final = serve_events(server, {"model": MODEL, "prompt": prompt, "max_tokens": 40, "ignore_eos": True,
+                                         **sampling})
+    assert steps == [e.token_ids for e in events]  # step by step: the same drafts, verdicts and commits
+    assert [t for s in steps for t in s] == result.token_ids
+    spec = final["speculation"]
+    for name in ("drafted", "accepted", "target_passes", "generated"):
+        assert spec[name] == result.stats[name], name
+    if "seed" in sampling:
+        assert spec["seed"] == result.seed == sampling["seed"]
