@@ -35,7 +35,9 @@ from ray import serve
 
 from deployments import metrics, tracing  # tracing is a no-op unless OTEL_EXPORTER_OTLP_ENDPOINT is set
 from deployments.config import DRAFTER, TARGET, AppConfig
-from deployments.messages import GenerateRequest, ProposeCall, VerifyCall, spec_from_json, spec_to_json
+from deployments.messages import (
+    ErrorEvent, GenerateRequest, ProposeCall, StepEvent, VerifyCall, spec_from_json, spec_to_json,
+)
 from deployments.protocol import APIError
 from deployments.redis_state import NotOwner, RequestStore, redis_url_getter
 from deployments.workers import CACHE_MISS, WorkerPool, is_actor_lost
@@ -111,20 +113,19 @@ class Coordinator:
         return {**self.info, "drafter": self.cfg.drafter.draft, "has_tokenizer": self.tokenizer is not None}
 
     # -- entry points (Serve streaming calls) ----------------------------------------------------------
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[list[dict[str, Any]]]:
-        """Start a request. Yields lists of per-step events {"i", "ids", "text", "finish"[, "usage",
-        "speculation"]}, or one {"error", "status"} event (errors travel as data: the ingress tells them from a
-        lost replica)."""
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[list[StepEvent | ErrorEvent]]:
+        """Start a request. Yields lists of StepEvents, or one ErrorEvent (errors travel as data: the ingress tells
+        them from a lost replica)."""
         async for events in _guard(self._generate(request)):
             yield events
 
-    async def resume(self, request_id: str, after: int = -1) -> AsyncIterator[list[dict[str, Any]]]:
+    async def resume(self, request_id: str, after: int = -1) -> AsyncIterator[list[StepEvent | ErrorEvent]]:
         """Take a request over (its coordinator died, or its client reconnects) and stream the events after
         index `after`: first those already in Redis, then newly generated ones."""
         async for events in _guard(self._resume(request_id, after)):
             yield events
 
-    async def _generate(self, request: GenerateRequest) -> AsyncIterator[list[dict[str, Any]]]:
+    async def _generate(self, request: GenerateRequest) -> AsyncIterator[list[StepEvent]]:
         state = RequestState(
             request_id=request.request_id, prompt_ids=list(request.prompt_ids), params=request.params,
             eos_token_ids=tuple(self.info["eos_token_ids"]),
@@ -137,12 +138,12 @@ class Coordinator:
         async for events in self._loop(state, request.spec, prefer_target=None, trace=request.trace):
             yield events
 
-    async def _resume(self, request_id: str, after: int) -> AsyncIterator[list[dict[str, Any]]]:
+    async def _resume(self, request_id: str, after: int) -> AsyncIterator[list[StepEvent]]:
         stored = await self.store.take_over(request_id, self.owner)
         if stored is None:
             raise APIError(f"unknown or expired request id {request_id!r}", 404, param="Last-Event-ID",
                            code="request_not_found")
-        old = await self.store.events(request_id, after + 1)
+        old = [StepEvent.from_json(e) for e in await self.store.events(request_id, after + 1)]
         if old:
             yield old
         if stored.finished:
@@ -150,13 +151,13 @@ class Coordinator:
         state = RequestState.from_dict(stored.state_dict(), self.tokenizer)
         spec = spec_from_json(stored.json("spec"))
         async for events in self._loop(state, spec, prefer_target=stored.fields.get("target_worker")):
-            events = [e for e in events if e["i"] > after]
+            events = [e for e in events if e.i > after]
             if events:
                 yield events
 
     # -- the loop --------------------------------------------------------------------------------------
     async def _loop(self, state: RequestState, spec: SpecParams, prefer_target: Optional[str],
-                    trace: Optional[dict] = None) -> AsyncIterator[list[dict]]:
+                    trace: Optional[dict] = None) -> AsyncIterator[list[StepEvent]]:
         run = _Run(spec=spec)
         run.target, run.maybe_warm = prefer_target, prefer_target is not None
         # Not made current: it spans the generator's yields. Steps name it as their parent via run.trace.
@@ -176,7 +177,7 @@ class Coordinator:
                 items = [await queue.get()]
                 while not queue.empty():
                     items.append(queue.get_nowait())
-                events = [it for it in items if isinstance(it, dict)]
+                events = [it for it in items if isinstance(it, StepEvent)]
                 if events:
                     yield events
                 for it in items:
@@ -216,11 +217,11 @@ class Coordinator:
         except BaseException as err:  # noqa: BLE001 - re-raised by the consumer side
             queue.put_nowait(err)
 
-    async def _step(self, run: _Run, state) -> dict[str, Any]:
+    async def _step(self, run: _Run, state: RequestState) -> StepEvent:
         with tracing.span("coordinator.step", parent=run.trace, step=state.step):
             return await self._step_body(run, state)
 
-    async def _step_body(self, run: _Run, state: RequestState) -> dict[str, Any]:
+    async def _step_body(self, run: _Run, state: RequestState) -> StepEvent:
         """One step of one request, over `pipeline.step`: budget, draft (here and on a drafter worker), verify and
         accept (on a target worker, batched there with other requests' rows), commit."""
         t0 = time.perf_counter()
@@ -259,11 +260,11 @@ class Coordinator:
             run.overlap_hit_rate = 0.7 * run.overlap_hit_rate + 0.3 * (run.pre is not None)
         if want > 0 and not draft.tokens:
             run.counters["steps_without_draft"] += 1  # no drafter reachable, or prompt lookup found nothing
-        event: dict[str, Any] = {"i": expected_step, "ids": committed, "text": text, "finish": state.finish_reason}
+        event = StepEvent(expected_step, committed, text, state.finish_reason)
         if state.finished:
-            event["usage"] = {"prompt_tokens": len(state.prompt_ids), "completion_tokens": len(state.output_ids)}
+            event.usage = {"prompt_tokens": len(state.prompt_ids), "completion_tokens": len(state.output_ids)}
             run.timing["step_s"] += time.perf_counter() - t0
-            event["speculation"] = {**state.stats.summary(), **run.counters, **{
+            event.speculation = {**state.stats.summary(), **run.counters, **{
                 f"coordinator_{name}": round(v, 4) for name, v in run.timing.items()},
                 "num_draft_tokens": run.spec.num_draft_tokens,
                 "adaptive_k": self.k_policy is not None and state.params.greedy,
@@ -412,10 +413,10 @@ class Coordinator:
         raise APIError("the target replicas kept failing", 503, type="server_error", code="target_unavailable")
 
     # -- persistence ---------------------------------------------------------------------------------------
-    def _persist(self, run: _Run, state: RequestState, expected_step: int, committed: list[int], event: dict) -> None:
+    def _persist(self, run: _Run, state: RequestState, expected_step: int, committed: list[int], event: StepEvent) -> None:
         d = state.to_dict()
         args = (state.request_id, self.owner, expected_step, state.step, committed, d["emitted_chars"],
-                state.finish_reason, d["stats"], event)
+                state.finish_reason, d["stats"], event.to_json())
         self._chain(run, lambda: self.store.commit(*args))
 
     def _persist_fields(self, run: _Run, rid: str, **fields: Any) -> None:
@@ -477,19 +478,22 @@ OVERLAP_MIN_HIT_RATE = 0.25  # pre-draft while at least this share of pre-drafts
 OVERLAP_PROBE_EVERY = 8  # else try one every this many steps
 
 
-async def _guard(events: AsyncIterator[list[dict[str, Any]]]) -> AsyncIterator[list[dict[str, Any]]]:
+async def _guard(events: AsyncIterator[list[StepEvent]]) -> AsyncIterator[list[StepEvent | ErrorEvent]]:
     try:
         async for event in events:
             yield event
     except APIError as err:
-        yield [{**err.body(), "status": err.status}]
+        yield [_error_event(err)]
     except NotOwner:
-        yield [{**APIError("this request was taken over by another stream", 409, code="taken_over").body(),
-                "status": 409}]
+        yield [_error_event(APIError("this request was taken over by another stream", 409, code="taken_over"))]
     except Exception as err:  # noqa: BLE001 - a bug must reach the client as an error, not as a lost replica
         logger.exception("request loop failed")
-        yield [{**APIError(f"internal error: {type(err).__name__}: {err}", 500, "internal_error",
-                           code="internal_error").body(), "status": 500}]
+        yield [_error_event(APIError(f"internal error: {type(err).__name__}: {err}", 500, "internal_error",
+                                     code="internal_error"))]
+
+
+def _error_event(err: APIError) -> ErrorEvent:
+    return ErrorEvent(err.body()["error"], err.status)
 
 
 def _trace() -> Optional[dict]:

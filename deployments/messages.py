@@ -66,6 +66,38 @@ class VerifyCall:
         return 1 + len(self.draft.tokens) + (min(len(self.prefix), PREFILL_CHUNK) if self.prefix else 0)
 
 
+@dataclass
+class StepEvent:
+    """One step of a request, from a coordinator to the ingress (and, as JSON, into Redis for resumed streams)."""
+
+    i: int  # the step's index (the request's target pass): dedup and resume key
+    ids: list[int]  # token ids committed by the step
+    text: str  # text now safe to stream (stop strings held back)
+    finish: Optional[str]  # "stop" | "length" on the last step
+    usage: Optional[dict[str, int]] = None  # on the last step: prompt_tokens, completion_tokens
+    speculation: Optional[dict[str, Any]] = None  # on the last step: the request's speculation statistics
+
+    def to_json(self) -> dict[str, Any]:
+        d = {"i": self.i, "ids": self.ids, "text": self.text, "finish": self.finish}
+        if self.usage is not None:
+            d["usage"] = self.usage
+        if self.speculation is not None:
+            d["speculation"] = self.speculation
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "StepEvent":
+        return cls(d["i"], d["ids"], d["text"], d.get("finish"), d.get("usage"), d.get("speculation"))
+
+
+@dataclass
+class ErrorEvent:
+    """A request's error, streamed as data (the ingress tells it from a lost coordinator)."""
+
+    error: dict[str, Any]  # the OpenAI error body's "error": message, type, param, code
+    status: int  # HTTP status
+
+
 def spec_to_json(spec: SpecParams) -> dict[str, Any]:
     return asdict(spec)
 

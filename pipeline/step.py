@@ -18,6 +18,7 @@ from typing import Any, Optional, Protocol, Sequence
 import torch
 
 from pipeline.adaptive import AdaptiveK
+from pipeline.config import MAX_NUM_DRAFT_TOKENS
 from pipeline.drafters import Drafter, ProposeRow
 from pipeline.models.base import CausalLM
 from pipeline.rejection import DraftBlock, accept, verify
@@ -25,12 +26,12 @@ from pipeline.sampling import SamplingTensors
 from pipeline.sequence import RequestState
 
 CACHE_SLACK = 72  # KV-cache positions past max_seq_len: the K+1 verify tokens and draft padding write there
-MAX_DRAFT_TOKENS = 64  # the largest K (SpecParams' own bound): the adaptive policy's cap; each request's K caps it
+
 
 
 def new_k_policy() -> AdaptiveK:
     """The adaptive K policy (one per engine or coordinator, over the requests it serves)."""
-    return AdaptiveK(max_k=MAX_DRAFT_TOKENS)
+    return AdaptiveK(max_k=MAX_NUM_DRAFT_TOKENS)  # SpecParams' own bound; each request's K caps it further
 
 
 def draft_budgets(

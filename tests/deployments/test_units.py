@@ -106,8 +106,8 @@ def test_redis_url_comes_from_the_environment(monkeypatch):
     ({"model": "m", "prompt": "x", "presence_penalty": 1.0}, "presence_penalty"),
 ])
 def test_bad_completion_requests_are_400_naming_the_parameter(body, param):
-    with pytest.raises(APIError) as e:
-        parse_request("completion", body)
+    with pytest.raises(APIError) as e:  # request fields at parsing; sampling fields when the SamplingParams is made
+        parse_request("completion", body).sampling_params(16)
     assert e.value.status == 400 and e.value.param == param
     assert set(e.value.body()["error"]) == {"message", "type", "param", "code"}
 
