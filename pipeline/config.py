@@ -52,7 +52,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.temperature < math.inf):  # also rejects NaN
-            raise InvalidParam("temperature", f"temperature must be a finite number >= 0, got {self.temperature}")
+            raise InvalidParam("temperature", f"temperature must be >= 0 (and finite), got {self.temperature}")
         if self.top_k < 0:
             raise InvalidParam("top_k", f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
