@@ -4,10 +4,11 @@
     result = engine.generate("Hello", SamplingParams(temperature=0.7, seed=1), SpecParams(4))
     result.token_ids, result.text, result.stats
 
-Each step (one target pass for every active request): the drafter proposes up to K tokens per row, the
-target scores [pending] + draft in one forward, `verify` + `accept` (pipeline.rejection) pick the
-emitted tokens, and each request commits them (stopping at EOS, stop strings, max_tokens). The one host
-sync per step is reading the accepted counts and tokens back.
+Continuous batching over the step's pieces in `pipeline.step` (the Serve layer runs the same ones): each step
+(one target pass for every active request) the drafter proposes up to K tokens per row, the target scores
+[pending] + draft in one forward, `verify` + `accept` (pipeline.rejection) pick the emitted tokens, and each
+request commits them (stopping at EOS, stop strings, max_tokens). The one host sync per step is reading the
+accepted counts and tokens back.
 """
 
 from __future__ import annotations
