@@ -11,12 +11,10 @@ state goes through `RequestState.to_dict` / `from_dict`).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from pipeline.config import SamplingParams, SpecParams
-
-if TYPE_CHECKING:  # torch stays out of the ingress, which imports this module for GenerateRequest
-    from pipeline.step import Draft
+from pipeline.step import Draft
 
 PREFILL_CHUNK = 256  # prompt tokens one request prefills per target pass (deployments.target_replica)
 
