@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from pipeline.compat import check_compatible
-from pipeline.config import HYBRID_PREFIX, PROMPT_LOOKUP, draft_model_spec  # noqa: F401 - draft_model_spec: re-exported
+from pipeline.config import HYBRID_PREFIX, NO_DRAFT, PROMPT_LOOKUP, draft_model_spec  # noqa: F401 - draft_model_spec: re-exported
 from pipeline.models.base import CausalLM
 from pipeline.models.loader import load_model
 from pipeline.models.store import resolve
@@ -359,10 +359,10 @@ def lookup_part(spec: str | None) -> PromptLookupDrafter | None:
 
 
 def build_drafter(spec: str | None, target_info, tokenizer, device: str = "cpu", dtype: str = "float32"):
-    """A drafter from its spec: None (no speculation), "prompt-lookup", a draft model (folder, .gguf or store
-    name), or "lookup+MODEL" (`HybridDrafter`). A draft model must pass the compatibility check against the
-    target (`pipeline.compat.check_compatible`)."""
-    if spec is None:
+    """A drafter from its spec (the drafter vocabulary of pipeline.config): None or "none" (no speculation),
+    "prompt-lookup", a draft model (folder, .gguf or store name), or "lookup+MODEL" (`HybridDrafter`). A draft model
+    must pass the compatibility check against the target (`pipeline.compat.check_compatible`)."""
+    if spec is None or spec == NO_DRAFT:
         return None
     if spec == PROMPT_LOOKUP:
         return PromptLookupDrafter()
