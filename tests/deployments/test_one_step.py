@@ -115,7 +115,7 @@ def test_serve_workers_run_the_engines_steps(tiny_models, engine, sampling):
 def test_engine_and_serve_run_the_same_steps(server, engine, sampling):
     want_steps, result = engine_steps(engine, sampling)
     steps, final = serve_events(server, {"model": MODEL, "prompt": PROMPT, "max_tokens": 40, "ignore_eos": True,
-                                         **sampling})
+                                         "stream": True, **sampling})
     assert steps == want_steps  # step by step: the same drafts, verdicts and commits
     assert [t for s in steps for t in s] == result.token_ids
     spec = final["speculation"]
