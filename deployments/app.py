@@ -4,7 +4,7 @@ Plain classes become deployments here, with options from the pure `deployment_op
 
     EmbeddedRedis (only without redis_url)  <- Coordinator, Ingress
     Target  <- Coordinator                     (control calls; the hot loop calls the workers directly)
-    Drafter <- Coordinator                     (only with drafter.method "model" or "hybrid")
+    Drafter <- Coordinator                     (only when drafter.draft names a model: "MODEL" or "lookup+MODEL")
     Coordinator <- Ingress (HTTP, FastAPI)
 
 `serve run deployments.app:app_builder` / a Serve config file with `import_path: deployments.app:app_builder`
@@ -15,22 +15,24 @@ from __future__ import annotations
 
 from typing import Any, Union
 
+import ray
 from ray import serve
 from ray.serve import Application
 
 from deployments.config import (
     COORDINATOR, DRAFTER, EMBEDDED_REDIS, INGRESS, TARGET, AppConfig, deployment_options,
 )
+from deployments.coordinator import Coordinator
+from deployments.drafter_replica import DrafterServer
+from deployments.embedded_redis import EmbeddedRedis, check_reachable
+from deployments.ingress import make_ingress
+from deployments.target_replica import TargetServer
 
 
 class RedisServer:
     """Serve replica owning the embedded redis-server process (dev / single-node; use REDIS_URL in prod)."""
 
     def __init__(self) -> None:
-        import ray
-
-        from deployments.embedded_redis import EmbeddedRedis
-
         self.server = EmbeddedRedis(host=ray.util.get_node_ip_address()).start()
 
     async def url(self) -> str:
@@ -47,15 +49,8 @@ class RedisServer:
 
 
 def build_app(config: Union[AppConfig, dict[str, Any], None] = None) -> Application:
-    from deployments.coordinator import Coordinator
-    from deployments.drafter_replica import DrafterServer
-    from deployments.ingress import make_ingress
-    from deployments.target_replica import TargetServer
-
     cfg = config if isinstance(config, AppConfig) else AppConfig.model_validate(config or {})
     if cfg.redis_url is not None:
-        from deployments.embedded_redis import check_reachable
-
         check_reachable(cfg.redis_url)  # a clear error now, not a replica stuck in a restart loop
     opts = deployment_options(cfg)
     args = cfg.model_dump(mode="json")

@@ -251,8 +251,8 @@ def check(serve: str | Path | dict[str, Any], cluster: str | Path | dict[str, An
             roles.append(("drafter", config.drafter, 1))
         for role, cfg, _ in roles if check_models else ():
             problem = _known_model(cfg.model, prepared, base)
-            if problem:
-                errors.append(ConfigError(f"{where}.args.{role}.model", problem))
+            if problem:  # the drafter names its model in `draft` (the drafter vocabulary: "lookup+MODEL", "MODEL")
+                errors.append(ConfigError(f"{where}.args.{role}.{'draft' if role == 'drafter' else 'model'}", problem))
         tp = config.target.tensor_parallel_size
         target_hf = _model_config(config.target.model, prepared, base)
         if target_hf and tp > 1:

@@ -21,6 +21,8 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pipeline.config import HYBRID_PREFIX, NO_DRAFT, PROMPT_LOOKUP, draft_model_spec
+
 # Deployment names: fixed, so the coordinator, tests and ops tooling can find replicas and workers.
 INGRESS = "Ingress"
 COORDINATOR = "Coordinator"
@@ -84,24 +86,47 @@ class TargetConfig(_Strict):
 
 
 class DrafterConfig(_Strict):
-    method: Literal["model", "prompt_lookup", "hybrid", "none"] = Field(
-        "prompt_lookup",
-        description="'model': a small LM on drafter replicas; 'prompt_lookup': n-gram copy from the context, "
-        "run inside the coordinator (microseconds: a network hop would cost more than the draft); "
-        "'hybrid': prompt lookup where the context repeats an n-gram, the drafter replicas' model otherwise "
-        "(pipeline.drafters.HybridDrafter); 'none': target-only decoding.",
+    draft: str = Field(
+        PROMPT_LOOKUP,
+        description="What drafts, in the words of the CLI's --draft: 'prompt-lookup' (n-gram copy from the context, "
+        "run inside the coordinator: microseconds, a network hop would cost more than the draft); a draft model "
+        "(folder, .gguf or shipped name, e.g. 'smollm2-135m-distill') on drafter replicas; 'lookup+MODEL' (prompt "
+        "lookup where the context repeats an n-gram, the model on drafter replicas elsewhere: "
+        "pipeline.drafters.HybridDrafter); 'none': target-only decoding.",
     )
-
-    @property
-    def uses_model(self) -> bool:
-        """Whether this app runs drafter replicas."""
-        return self.method in ("model", "hybrid")
-    model: Optional[str] = Field(None, description="Drafter model folder; None: the demo drafter.")
     resources: Resources = Field(default_factory=Resources)
     max_batch_size: int = Field(16, ge=1, description="KV-cache slots per drafter replica.")
     batch_wait_ms: float = Field(0.0, ge=0, le=50, description="As for the target; 0: never wait.")
     device: str = "cpu"
     dtype: str = "float32"
+
+    @field_validator("draft")
+    @classmethod
+    def _draft_spec(cls, v: str) -> str:
+        if v in ("prompt_lookup", "hybrid", "model", "default", "") or v == HYBRID_PREFIX:
+            raise ValueError(f"drafter.draft={v!r}: use the CLI's words: '{PROMPT_LOOKUP}', a draft model (folder, "
+                             f".gguf or shipped name), '{HYBRID_PREFIX}MODEL' or '{NO_DRAFT}'")
+        return v
+
+    @property
+    def drafts(self) -> bool:
+        """Whether requests speculate at all."""
+        return self.draft != NO_DRAFT
+
+    @property
+    def model(self) -> Optional[str]:
+        """The draft model (a hybrid's model part); None for prompt lookup alone or none."""
+        return None if self.draft in (PROMPT_LOOKUP, NO_DRAFT) else draft_model_spec(self.draft)
+
+    @property
+    def uses_model(self) -> bool:
+        """Whether this app runs drafter replicas."""
+        return self.model is not None
+
+    def with_model(self, model: str) -> "DrafterConfig":
+        """The same drafter with its model named by `model` (e.g. the resolved folder)."""
+        hybrid = self.draft.startswith(HYBRID_PREFIX)
+        return self.model_copy(update={"draft": (HYBRID_PREFIX if hybrid else "") + model})
 
 
 class CoordinatorConfig(_Strict):

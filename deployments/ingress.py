@@ -24,19 +24,22 @@ from typing import Any, AsyncIterator, Callable, Optional
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.config import AppConfig
+from deployments import metrics, tracing  # tracing is a no-op unless OTEL_EXPORTER_OTLP_ENDPOINT is set
+from deployments.config import NO_DRAFT, AppConfig
+from deployments.messages import ErrorEvent, GenerateRequest, StepEvent
 from deployments.protocol import (
     APIError, chat_chunk, completion_chunk, full_response, models_list, now, parse_request,
     resolve_max_tokens, usage, usage_chunk,
 )
 from deployments.redis_state import RequestStore, redis_url_getter
 from deployments.sse import event_id, parse_event_id, sse_stream
+from pipeline.models.loader import load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-from deployments import metrics, tracing  # ops hooks: tracing is a no-op unless OTEL_EXPORTER_OTLP_ENDPOINT is set
 
 MAX_FAILOVERS = 5  # coordinator losses one request survives
 
@@ -54,11 +57,9 @@ class OpenAIIngress:
         self.model_name = self.cfg.served_model_name or info["name"]
         self.max_seq_len = int(info["max_seq_len"])
         self.vocab_size = int(info["vocab_size"])
-        self.has_drafter = info["drafter"] != "none"
+        self.has_drafter = info["drafter"] != NO_DRAFT
         self.tokenizer = None
         if info["has_tokenizer"]:
-            from pipeline.models.loader import load_tokenizer
-
             self.tokenizer = load_tokenizer(info["path"])
         self.store = await RequestStore.connect(redis_url_getter(self.cfg, redis), self.cfg.redis_namespace,
                                                 self.cfg.request_ttl_s)
@@ -102,23 +103,18 @@ class OpenAIIngress:
             return JSONResponse(err.body(), status_code=err.status)
 
         rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
-        payload = {
-            "request_id": rid, "kind": kind, "model": self.model_name, "created": now(),
-            "prompt_ids": prompt_ids,
-            "params": {**params.__dict__, "stop": list(params.stop)},
-            "spec": {"num_draft_tokens": spec.num_draft_tokens, "draft_top_k": spec.draft_top_k},
-        }
         # The request's root span (a child of the client's `traceparent`, if any); the timer ends it.
         span = tracing.start_span(f"POST {request.url.path}", parent=dict(request.headers), request_id=rid,
                                   prompt_tokens=len(prompt_ids), max_tokens=max_tokens, k=spec.num_draft_tokens)
-        payload["trace"] = tracing.carrier_of(span)
+        payload = GenerateRequest(request_id=rid, kind=kind, model=self.model_name, created=now(),
+                                  prompt_ids=prompt_ids, params=params, spec=spec, trace=tracing.carrier_of(span))
         events = self._events(rid, lambda: self.coord.options(stream=True).generate.remote(payload))
         timer = metrics.RequestTimer(len(prompt_ids), span=span)
         if req.stream:
-            chunks = self._chunks(kind, rid, payload["created"], events, req.include_usage, timer)
+            chunks = self._chunks(kind, rid, payload.created, events, req.include_usage, timer)
             return StreamingResponse(sse_stream(chunks), media_type="text/event-stream",
                                      headers={"X-Request-Id": rid, "Cache-Control": "no-cache"})
-        return await self._aggregate(kind, rid, payload["created"], events, timer)
+        return await self._aggregate(kind, rid, payload.created, events, timer)
 
     async def _read_json(self, request: Request) -> Any:
         limit = self.cfg.ingress.max_body_bytes
@@ -179,14 +175,12 @@ class OpenAIIngress:
         return StreamingResponse(sse_stream(chunks), media_type="text/event-stream",
                                  headers={"X-Request-Id": rid, "Cache-Control": "no-cache"})
 
-    async def _stored_events(self, rid: str, after: int) -> AsyncIterator[dict]:
+    async def _stored_events(self, rid: str, after: int) -> AsyncIterator[StepEvent]:
         for ev in await self.store.events(rid, after + 1):
-            yield ev
+            yield StepEvent.from_json(ev)
 
-    async def _events(self, rid: str, start: Callable[[], Any], after: int = -1) -> AsyncIterator[dict]:
+    async def _events(self, rid: str, start: Callable[[], Any], after: int = -1) -> AsyncIterator[StepEvent]:
         """Events of one request from a coordinator, surviving coordinator loss (dedup by index)."""
-        from ray.exceptions import ActorUnavailableError, RayActorError
-
         delivered = after
         stream = start()
         failovers = 0
@@ -196,17 +190,17 @@ class OpenAIIngress:
                 try:
                     async for batch in stream:  # the coordinator yields lists of per-step events
                         for ev in batch:
-                            if "error" in ev:
-                                e = ev["error"]
+                            if isinstance(ev, ErrorEvent):
+                                e = ev.error
                                 if resuming and delivered == after and e.get("code") == "request_not_found":
                                     raise _NotStarted  # the lost coordinator died before storing it
-                                raise APIError(e["message"], ev.get("status", 500), e.get("type", "server_error"),
+                                raise APIError(e["message"], ev.status, e.get("type", "server_error"),
                                                e.get("param"), e.get("code"))
-                            if ev["i"] <= delivered:
+                            if ev.i <= delivered:
                                 continue
-                            delivered = ev["i"]
+                            delivered = ev.i
                             yield ev
-                            if ev.get("finish"):
+                            if ev.finish:
                                 return
                     return
                 except (RayActorError, ActorUnavailableError) as err:
@@ -225,7 +219,7 @@ class OpenAIIngress:
             stream.cancel()  # client gone or done: stop the coordinator's loop for this request
 
     async def _chunks(
-        self, kind: str, rid: str, created: int, events: AsyncIterator[dict], include_usage: bool, timer: Any
+        self, kind: str, rid: str, created: int, events: AsyncIterator[StepEvent], include_usage: bool, timer: Any
     ) -> AsyncIterator[tuple[Optional[str], dict]]:
         model = self.model_name
         status = "error"
@@ -234,17 +228,17 @@ class OpenAIIngress:
                 yield None, chat_chunk(rid, created, model, "", None, first=True)
             async for ev in events:
                 if kind == "completion":
-                    chunk = completion_chunk(rid, created, model, ev["text"], ev.get("finish"))
+                    chunk = completion_chunk(rid, created, model, ev.text, ev.finish)
                 else:
-                    chunk = chat_chunk(rid, created, model, ev["text"], ev.get("finish"))
-                chunk["choices"][0]["token_ids"] = ev["ids"]
+                    chunk = chat_chunk(rid, created, model, ev.text, ev.finish)
+                chunk["choices"][0]["token_ids"] = ev.ids
                 if timer is not None:
-                    timer.on_tokens(len(ev["ids"]))
-                yield event_id(rid, ev["i"]), chunk
-                if ev.get("finish") and include_usage and "usage" in ev:
-                    u = ev["usage"]
+                    timer.on_tokens(len(ev.ids))
+                yield event_id(rid, ev.i), chunk
+                if ev.finish and include_usage and ev.usage is not None:
+                    u = ev.usage
                     yield None, usage_chunk(kind, rid, created, model, usage(u["prompt_tokens"], u["completion_tokens"]),
-                                            ev.get("speculation", {}))
+                                            ev.speculation or {})
             status = "ok"
         except asyncio.CancelledError:
             status = "cancelled"
@@ -253,24 +247,25 @@ class OpenAIIngress:
             if timer is not None:
                 timer.finish(status)
 
-    async def _aggregate(self, kind: str, rid: str, created: int, events: AsyncIterator[dict], timer: Any):
-        text, ids, finish, last = [], [], None, {}
+    async def _aggregate(self, kind: str, rid: str, created: int, events: AsyncIterator[StepEvent], timer: Any):
+        text, ids, finish, last = [], [], None, None
         try:
             async for ev in events:
-                text.append(ev["text"])
-                ids += ev["ids"]
+                text.append(ev.text)
+                ids += ev.ids
                 if timer is not None:
-                    timer.on_tokens(len(ev["ids"]))
-                finish, last = ev.get("finish"), ev
+                    timer.on_tokens(len(ev.ids))
+                finish, last = ev.finish, ev
         except APIError as err:
             if timer is not None:
                 timer.finish("error")
             return JSONResponse(err.body(), status_code=err.status)
         if timer is not None:
             timer.finish("ok")
-        u = last.get("usage", {"prompt_tokens": 0, "completion_tokens": len(ids)})
+        u = (last.usage if last is not None else None) or {"prompt_tokens": 0, "completion_tokens": len(ids)}
+        spec = (last.speculation if last is not None else None) or {}
         body = full_response(kind, rid, created, self.model_name, "".join(text), finish,
-                             usage(u["prompt_tokens"], u["completion_tokens"]), last.get("speculation", {}))
+                             usage(u["prompt_tokens"], u["completion_tokens"]), spec)
         body["choices"][0]["token_ids"] = ids
         return JSONResponse(body, headers={"X-Request-Id": rid})
 
@@ -312,8 +307,6 @@ def make_fastapi_app() -> FastAPI:
 
 def make_ingress(cls: type = OpenAIIngress, app: Optional[FastAPI] = None) -> type:
     """Apply the route table to a subclass of `cls` and wrap it with `serve.ingress`."""
-    from ray import serve
-
     app = app or make_fastapi_app()
     routed = {name: route(app)(_fresh_copy(getattr(cls, name))) for name, route in ENDPOINTS.items()}
     new_cls = type(cls.__name__, (cls,), routed)

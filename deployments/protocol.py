@@ -12,7 +12,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from pipeline.config import SamplingParams, SpecParams
+from pipeline.config import InvalidParam, SamplingParams, SpecParams
 
 
 class APIError(Exception):
@@ -88,33 +88,12 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"must be >= 1, got {v}")
         return v
 
-    @field_validator("temperature")
-    @classmethod
-    def _temperature(cls, v: float) -> float:
-        if not (v >= 0.0) or v == float("inf"):
-            raise ValueError(f"must be a finite number >= 0, got {v}")
-        return v
-
-    @field_validator("top_p")
-    @classmethod
-    def _top_p(cls, v: float) -> float:
-        if not (0.0 < v <= 1.0):
-            raise ValueError(f"must be in (0, 1], got {v}")
-        return v
-
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, v: int) -> int:
         if v < -1:
             raise ValueError(f"must be >= 0 (0 or -1: off), got {v}")
         return max(v, 0)
-
-    @field_validator("seed")
-    @classmethod
-    def _seed(cls, v: Optional[int]) -> Optional[int]:
-        if v is not None and not (0 <= v < 2**63):
-            raise ValueError(f"must be in [0, 2**63), got {v}")
-        return v
 
     @field_validator("stop")
     @classmethod
@@ -124,8 +103,6 @@ class _SamplingFields(BaseModel):
         stops = [v] if isinstance(v, str) else list(v)
         if len(stops) > 4:
             raise ValueError("at most 4 stop sequences")
-        if any(not s for s in stops):
-            raise ValueError("stop sequences must be non-empty")
         return stops
 
     @field_validator("n")
@@ -144,10 +121,15 @@ class _SamplingFields(BaseModel):
             raise APIError("logprobs are not supported", param="logprobs", code="unsupported")
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
-        return SamplingParams(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, max_tokens=max_tokens,
-            stop=tuple(self.stop or ()), seed=self.seed, ignore_eos=self.ignore_eos,
-        ).with_seed()
+        """The request's SamplingParams, seed fixed: where its sampling fields are validated (a bad one is a 400
+        naming it); the object then travels to the coordinator as is."""
+        try:
+            return SamplingParams(
+                temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, max_tokens=max_tokens,
+                stop=tuple(self.stop or ()), seed=self.seed, ignore_eos=self.ignore_eos,
+            ).with_seed()
+        except InvalidParam as err:
+            raise APIError(str(err), 400, param=err.param, code="invalid_value") from None
 
     def spec_params(self, default_k: int, draft_top_k: int, has_drafter: bool) -> SpecParams:
         opts = self.speculation or SpeculationOptions()

@@ -25,6 +25,7 @@ from typing import Any, Awaitable, Callable, Optional
 
 import redis.asyncio as aioredis
 
+from deployments.embedded_redis import redact
 from deployments.tracing import traced
 
 log = logging.getLogger(__name__)
@@ -145,8 +146,6 @@ class RequestStore:
         again on every try: an embedded redis-server whose Serve replica is being replaced comes back on a new
         port. (CI, once: the demo app's embedded server was gone seconds after it started, and three coordinator
         replicas, each failing its first ping, failed the deployment before Serve had replaced the server.)"""
-        from deployments.embedded_redis import redact
-
         deadline = time.monotonic() + wait_s
         while True:
             url = await get_url()

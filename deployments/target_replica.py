@@ -1,7 +1,7 @@
 """Target replicas: a Serve host plus a worker actor that holds the target model and its KV-cache slots.
 
-The worker verifies draft blocks (`pipeline.rejection.verify`) and returns O(K) numbers per request:
-acceptance probabilities and one pre-drawn recovered/bonus token per position. Concurrent requests'
+The worker runs the target side of the step (`pipeline.step.verify_and_accept`: one pass over the rows' drafts,
+verification and acceptance) and returns each request's `Verdict`: the tokens it emits. Concurrent requests'
 calls are batched into one target pass (`StepBatcher`).
 
 Cache protocol, per request: a call feeds `[pending] + draft` at absolute position `start`; the worker's
@@ -21,38 +21,24 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence
+
+import torch
 
 from deployments import metrics, tracing
 from deployments.batching import AGAIN, StepBatcher
 from deployments.config import TARGET, AppConfig
+from deployments.messages import PREFILL_CHUNK, VerifyCall
+from deployments.tp_group import leader_runner, spawn_tensor_parallel_workers
 from deployments.workers import CACHE_MISS, ModelHost, spawn_workers, warm_up
+from pipeline.models.graphs import graphs_on_cuda
+from pipeline.models.loader import load_model
+from pipeline.sampling import SamplingTensors
+from pipeline.step import CACHE_SLACK, Verdict, pack, verify_and_accept
 
 logger = logging.getLogger(__name__)
 
-CACHE_SLACK = 72  # positions past max_seq_len: K+1 verify tokens and padding (as pipeline.engine)
 PREFILL_TOKEN_BUDGET = 512  # prompt tokens prefilled per target pass beyond the first prefill
-PREFILL_CHUNK = 256  # prompt tokens one request prefills per target pass
-
-
-@dataclass
-class VerifyRow:
-    """One request's part of a target pass (what crosses the network: ids and sparse probabilities)."""
-
-    request_id: str
-    start: int  # absolute position of the pending token
-    tokens: list[int]  # [pending] + draft (1 + num_draft ids)
-    params: Any  # pipeline.config.SamplingParams (seed fixed)
-    step: int  # the request's target-pass counter (randomness key)
-    top_ids: Any = None  # [num_draft, k] int64 array: the draft's sparse support, or None (point masses)
-    top_probs: Any = None  # [num_draft, k] float32 array
-    prefix: Optional[list[int]] = None  # committed tokens [0, start) when the cache may lack them
-
-    @property
-    def cost(self) -> int:
-        """Tokens this row feeds (StepBatcher bounds prefills per pass with it)."""
-        return len(self.tokens) + (min(len(self.prefix), PREFILL_CHUNK) if self.prefix else 0)
 
 
 class TargetWorker:
@@ -63,18 +49,11 @@ class TargetWorker:
         dtype: str = "float32", torch_threads: int = 1, batch_wait_ms: float = 1.0,
         rank: int = 0, world_size: int = 1, tp_init_method: Optional[str] = None, tp_allreduce: str = "auto",
     ) -> None:
-        import torch
-
         assert rank == 0, "ranks > 0 of a tensor-parallel replica are tp_group.RankFollower actors"
         torch.set_num_threads(torch_threads)
         if world_size > 1:  # rank 0 of a tensor-parallel group: each pass is broadcast to the other ranks
-            from deployments.tp_group import leader_runner
-
             self.model = leader_runner(model, world_size, tp_init_method, device, dtype, allreduce=tp_allreduce)
         else:
-            from pipeline.models.graphs import graphs_on_cuda
-            from pipeline.models.loader import load_model
-
             # CUDA: the static-shape graph runner (as the engine and tensor-parallel ranks use); CPU unchanged.
             self.model = graphs_on_cuda(load_model(model, device=device, dtype=dtype)[0])
         max_seq_len = min(max_seq_len, self.model.info.max_position_embeddings or max_seq_len)
@@ -104,10 +83,10 @@ class TargetWorker:
         return {"batches": self.batcher.batches, "rows": self.batcher.rows, "compute_s": self.compute_s,
                 "slots_used": len(self._slots), "active_requests": self.batcher.active()}
 
-    async def verify(self, row: VerifyRow, trace: Optional[dict] = None) -> dict[str, Any]:
-        """-> {"accept_probs": [num_draft] floats, "target_tokens": [num_draft + 1] ids} or CACHE_MISS."""
+    async def verify(self, row: VerifyCall, trace: Optional[dict] = None) -> Verdict | str:
+        """-> the row's Verdict, or CACHE_MISS."""
         with tracing.span("target.verify", parent=trace, request_id=row.request_id, start=row.start,
-                          num_draft=len(row.tokens) - 1, prefill=row.prefix is not None):
+                          num_draft=len(row.draft.tokens), prefill=row.prefix is not None):
             return await self.batcher.submit(row.request_id, row)
 
     async def release(self, request_ids: Sequence[str]) -> None:
@@ -137,12 +116,7 @@ class TargetWorker:
         self._slots[rid] = self._free.pop()
         return self._slots[rid]
 
-    def _run_batch(self, rows: Sequence[VerifyRow]) -> list[Any]:
-        import torch
-
-        from pipeline.rejection import DraftBlock, verify
-        from pipeline.sampling import SamplingTensors
-
+    def _run_batch(self, rows: Sequence[VerifyCall]) -> list[Any]:
         t0 = time.perf_counter()
         results: list[Any] = [None] * len(rows)
         live: list[int] = []
@@ -168,66 +142,28 @@ class TargetWorker:
                     continue
                 live.append(b)
             if live:
-                outs = self._verify_rows([rows[b] for b in live], pinned, torch, DraftBlock, verify, SamplingTensors)
+                outs = self._verify_rows([rows[b] for b in live], pinned)
                 for b, out in zip(live, outs):
                     results[b] = out
         self.compute_s += time.perf_counter() - t0
         metrics.record_verify_latency(time.perf_counter() - t0, scope="compute")
         return results
 
-    def _verify_rows(self, rows, pinned, torch, DraftBlock, verify, SamplingTensors) -> list[dict[str, Any]]:
-        B = len(rows)
-        K = max(len(r.tokens) - 1 for r in rows)
+    def _verify_rows(self, rows: Sequence[VerifyCall], pinned: set[str]) -> list[Verdict]:
         dev = self.device
-        tokens = torch.zeros(B, K + 1, dtype=torch.int64)
-        num_draft = torch.zeros(B, dtype=torch.int64)
-        for b, r in enumerate(rows):
-            tokens[b, : len(r.tokens)] = torch.tensor(r.tokens, dtype=torch.int64)
-            num_draft[b] = len(r.tokens) - 1
-        slots = torch.tensor([self._slot_for(r.request_id, pinned) for r in rows], dtype=torch.int64)
-        positions = torch.tensor([r.start for r in rows], dtype=torch.int64)
         # Tokens, positions and slots stay on the host: runners read the positions without a device sync, the graph
         # path sends all three in one copy, and a tensor-parallel leader broadcasts them from the host anyway (a
         # device copy made it copy them back, a sync).
-        logits = self.model.forward(tokens, positions, slots)  # [B, K+1, V]
-        for r in rows:
-            self._fed[r.request_id] = max(self._fed.get(r.request_id, 0), r.start + len(r.tokens))
-        top_ids = top_probs = None
-        if K > 0 and any(r.top_ids is not None for r in rows):
-            top_ids, top_probs = _pad_sparse(rows, K, torch)
-        draft = DraftBlock(tokens[:, 1:].contiguous(), num_draft, top_ids, top_probs).to(dev)
+        pending = torch.tensor([r.pending for r in rows], dtype=torch.int64)
+        slots = torch.tensor([self._slot_for(r.request_id, pinned) for r in rows], dtype=torch.int64)
+        positions = torch.tensor([r.start for r in rows], dtype=torch.int64)
         sampling = SamplingTensors.from_params([r.params for r in rows], dev)
         steps = torch.tensor([r.step for r in rows], dtype=torch.int64, device=dev)
-        out = verify(logits, draft, sampling, steps)
-        accept_probs = out.accept_probs.cpu().tolist()
-        target_tokens = out.target_tokens.cpu().tolist()
-        return [{"accept_probs": accept_probs[b][: len(r.tokens) - 1],
-                 "target_tokens": target_tokens[b][: len(r.tokens)]} for b, r in enumerate(rows)]
-
-
-def _pad_sparse(rows: Sequence[VerifyRow], K: int, torch) -> tuple[Any, Any]:
-    """Stack per-row sparse draft distributions into [B, K, k]. Rows without probabilities become point
-    masses; short rows are padded with their first id at probability 0, which leaves the dense distribution
-    (`pipeline.rejection` adds up the entries of an id) unchanged."""
-    k = max((r.top_ids.shape[-1] for r in rows if r.top_ids is not None), default=1)
-    B = len(rows)
-    ids = torch.zeros(B, K, k, dtype=torch.int64)
-    probs = torch.zeros(B, K, k, dtype=torch.float32)
-    for b, r in enumerate(rows):
-        n = len(r.tokens) - 1
-        if n == 0:
-            continue
-        if r.top_ids is None:
-            row_ids = torch.tensor(r.tokens[1:], dtype=torch.int64)[:, None]  # [n, 1]
-            row_probs = torch.ones(n, 1)
-        else:
-            row_ids = torch.as_tensor(r.top_ids[:n], dtype=torch.int64)
-            row_probs = torch.as_tensor(r.top_probs[:n], dtype=torch.float32)
-        kk = row_ids.shape[-1]
-        ids[b, :n, :kk], probs[b, :n, :kk] = row_ids, row_probs
-        if kk < k:
-            ids[b, :n, kk:] = row_ids[:, :1]  # probs stay 0 there
-    return ids, probs
+        verdicts = verify_and_accept(self.model, pending, pack([r.draft for r in rows]), positions, slots,
+                                     sampling, steps)
+        for r in rows:
+            self._fed[r.request_id] = max(self._fed.get(r.request_id, 0), r.start + 1 + len(r.draft.tokens))
+        return verdicts
 
 
 class TargetServer(ModelHost):
@@ -236,9 +172,7 @@ class TargetServer(ModelHost):
     async def __init__(self, config: dict[str, Any]) -> None:
         cfg = AppConfig.model_validate(config)
         t = cfg.target
-        spawn = spawn_workers
-        if t.tensor_parallel_size > 1:
-            from deployments.tp_group import spawn_tensor_parallel_workers as spawn
+        spawn = spawn_tensor_parallel_workers if t.tensor_parallel_size > 1 else spawn_workers
         self.workers = spawn(
             TargetWorker, TARGET, t.resources, t.tensor_parallel_size,
             model=t.model, max_batch_size=t.max_batch_size, max_seq_len=t.max_seq_len, device=t.device,

@@ -28,9 +28,16 @@ import threading
 from typing import Any, Optional
 
 import ray
+import torch
+from ray import serve
+from ray.util.placement_group import get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.config import Resources, worker_actor_options
 from deployments.workers import WORKER_NAMESPACE, worker_name
+from pipeline.models.tensor_parallel import (
+    TensorParallelRunner, follow, init_tensor_parallel, load_tensor_parallel_model, tensor_parallel_graphs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +84,6 @@ def load_rank(model: Any, rank: int, world_size: int, init_method: str, device: 
               allreduce: str = "auto"):
     """Join the group and load this rank's shard (graph-wrapped on CUDA, summing with `allreduce`, every rank
     the same: `TargetConfig.tp_allreduce`). -> (runner, TPContext)."""
-    from pipeline.models.tensor_parallel import init_tensor_parallel, load_tensor_parallel_model, tensor_parallel_graphs
-
     if device == "cuda" and os.environ.get(NOSET_CUDA_VISIBLE_DEVICES) == "1":
         device = f"cuda:{cuda_index(ray.get_gpu_ids(), os.environ.get('CUDA_VISIBLE_DEVICES'))}"
     tp = init_tensor_parallel(rank, world_size, init_method, device, collective_timeout_s, control_timeout_s)
@@ -93,8 +98,6 @@ def load_rank(model: Any, rank: int, world_size: int, init_method: str, device: 
 def leader_runner(model: Any, world_size: int, init_method: str, device: str, dtype: str,
                   heartbeat_s: float = HEARTBEAT_S, allreduce: str = "auto", **timeouts: float):
     """Rank 0's `CausalLM`: drives the followers; exits the process when the group breaks."""
-    from pipeline.models.tensor_parallel import TensorParallelRunner
-
     runner, tp = load_rank(model, 0, world_size, init_method, device, dtype, allreduce=allreduce, **timeouts)
     return TensorParallelRunner(runner, tp, heartbeat_s=heartbeat_s, on_failure=_exit_process)
 
@@ -105,8 +108,6 @@ class RankFollower:
     def __init__(self, model: Any, device: str = "cpu", dtype: str = "float32", torch_threads: int = 1,
                  rank: int = 1, world_size: int = 2, tp_init_method: str = "", tp_allreduce: str = "auto",
                  **timeouts: float) -> None:
-        import torch
-
         torch.set_num_threads(torch_threads)
         self.rank = rank
         self.runner, self.tp = load_rank(model, rank, world_size, tp_init_method, device, dtype,
@@ -114,8 +115,6 @@ class RankFollower:
         threading.Thread(target=self._follow, name=f"tp-follow-{rank}", daemon=True).start()
 
     def _follow(self) -> None:
-        from pipeline.models.tensor_parallel import follow
-
         try:
             follow(self.runner, self.tp)
         except BaseException as err:  # noqa: BLE001 - rank 0 or a peer is gone: this replica is done
@@ -131,10 +130,6 @@ def spawn_tensor_parallel_workers(leader_cls: type, role: str, resources: Resour
                                   **init_kwargs: Any) -> list[Any]:
     """Start rank 0 (`leader_cls`, e.g. TargetWorker) and ranks 1..N-1 (`RankFollower`) for the calling Serve
     replica, rank i in bundle i of its placement group. All share one rendezvous picked here."""
-    from ray import serve
-    from ray.util.placement_group import get_current_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     ctx = serve.get_replica_context()
     pg = get_current_placement_group()
     if pg is None:

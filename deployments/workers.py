@@ -15,8 +15,14 @@ import time
 from typing import Any, Optional
 
 import ray
+from ray import serve
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.util.placement_group import get_current_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from deployments.autoscaling import ONGOING_REQUESTS
 from deployments.config import Resources, worker_actor_options
+from pipeline.models.base import warmup
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +35,6 @@ def warm_up(model: Any, max_batch_size: int, role: str) -> int:
     of a tensor-parallel group in lockstep; nothing elsewhere): every batch size up to max_batch_size and every
     token count the graph path buckets (verify blocks of any K it captures, a drafter's catch-up calls), so that
     no request sees a capture's stall. Returns the graphs captured."""
-    from pipeline.models.base import warmup
-
     t0 = time.perf_counter()
     captured = warmup(model, max_batch_size)
     if captured:
@@ -46,10 +50,6 @@ def spawn_workers(
     worker_cls: type, role: str, resources: Resources, world_size: int, **init_kwargs: Any
 ) -> list[Any]:
     """Start `world_size` worker actors for the calling Serve replica, in its placement group if any."""
-    from ray import serve
-    from ray.util.placement_group import get_current_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     ctx = serve.get_replica_context()
     pg = get_current_placement_group()
     remote_cls = ray.remote(worker_cls)
@@ -139,8 +139,6 @@ class WorkerPool:
 
 def is_actor_lost(err: BaseException) -> bool:
     """Errors that mean the worker process is gone or unreachable (as opposed to a bug in a call)."""
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-
     return isinstance(err, (ActorDiedError, ActorUnavailableError, RayActorError, asyncio.TimeoutError))
 
 
@@ -156,8 +154,6 @@ class ModelHost:
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve autoscaling input: requests that called rank 0 lately (deployments/autoscaling.py)."""
-        from deployments.autoscaling import ONGOING_REQUESTS
-
         stats = await self.workers[0].stats.remote()
         return {ONGOING_REQUESTS: float(stats["active_requests"])}
 

@@ -4,7 +4,7 @@ Public API:
     SpeculativeEngine   generate / generate_batch / stream (pipeline.engine)
     SamplingParams      temperature, top_k, top_p, max_tokens, stop, seed
     SpecParams          K (num_draft_tokens), draft_top_k
-    EngineConfig        slots, context length, device, dtype
+    EngineConfig        slots, context length, device, dtype, CUDA graphs, draft weights
 """
 
 from pipeline.config import EngineConfig, SamplingParams, SpecParams

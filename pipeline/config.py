@@ -6,8 +6,33 @@ message for bad input. pydantic lives only at the edges (deployments/).
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Literal
+
+
+# The drafter vocabulary (CLI --draft, `SpeculativeEngine.from_pretrained(draft=...)`, Serve `drafter.draft`):
+PROMPT_LOOKUP = "prompt-lookup"  # n-gram copy from the context (pipeline.drafters.PromptLookupDrafter)
+HYBRID_PREFIX = "lookup+"  # "lookup+MODEL": prompt lookup where it matches, the model elsewhere (HybridDrafter)
+NO_DRAFT = "none"  # target-only decoding (the Python API says None)
+DEFAULT_DRAFT = "default"  # the target's default drafter (pipeline.engine.default_draft)
+# anything else names a draft model: a folder, a .gguf file or a shipped drafter's name
+
+
+def draft_model_spec(spec: str) -> str | None:
+    """The draft model a drafter spec names (for a hybrid, its model part); None for prompt lookup or none."""
+    if spec in (PROMPT_LOOKUP, NO_DRAFT):
+        return None
+    return spec[len(HYBRID_PREFIX):] if spec.startswith(HYBRID_PREFIX) else spec
+
+
+class InvalidParam(ValueError):
+    """A bad sampling or speculation parameter; `param` names it (the HTTP edge reports it as the 400's param)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -26,22 +51,22 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0.0):  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 <= self.temperature < math.inf):  # also rejects NaN
+            raise InvalidParam("temperature", f"temperature must be >= 0 (and finite), got {self.temperature}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+            raise InvalidParam("top_k", f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidParam("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise InvalidParam("max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+            raise InvalidParam("stop", "stop strings must be non-empty")
         if self.seed is not None and not (0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+            raise InvalidParam("seed", f"seed must be in [0, 2**63), got {self.seed}")
 
     @property
     def greedy(self) -> bool:
@@ -55,6 +80,9 @@ class SamplingParams:
         return SamplingParams(**{**self.__dict__, "seed": seed})
 
 
+MAX_NUM_DRAFT_TOKENS = 64  # the largest K a request may ask for (also the adaptive K policy's cap)
+
+
 @dataclass(frozen=True)
 class SpecParams:
     """How much to speculate. num_draft_tokens == 0 (or no drafter) is plain target decoding."""
@@ -64,11 +92,12 @@ class SpecParams:
 
     def __post_init__(self) -> None:
         if self.num_draft_tokens < 0:
-            raise ValueError(f"K (num_draft_tokens) must be >= 0, got {self.num_draft_tokens}")
-        if self.num_draft_tokens > 64:
-            raise ValueError(f"K (num_draft_tokens) must be <= 64, got {self.num_draft_tokens}")
+            raise InvalidParam("num_draft_tokens", f"K (num_draft_tokens) must be >= 0, got {self.num_draft_tokens}")
+        if self.num_draft_tokens > MAX_NUM_DRAFT_TOKENS:
+            raise InvalidParam("num_draft_tokens", f"K (num_draft_tokens) must be <= {MAX_NUM_DRAFT_TOKENS}, "
+                               f"got {self.num_draft_tokens}")
         if self.draft_top_k < 1:
-            raise ValueError(f"draft_top_k must be >= 1, got {self.draft_top_k}")
+            raise InvalidParam("draft_top_k", f"draft_top_k must be >= 1, got {self.draft_top_k}")
 
 
 @dataclass
@@ -79,4 +108,15 @@ class EngineConfig:
     max_seq_len: int = 2048  # prompt + generated tokens per request (cache length is this + K + 1)
     device: str = "cpu"
     dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
-    extra: dict = field(default_factory=dict)
+    graphs: bool = True  # models on CUDA run on the static-shape CUDA-graph path (pipeline.models.graphs)
+    # A draft model's weights on the graph path: "model" (its own) or "fp8" (float8 copies streamed by the fused
+    # layer: half the bytes; acceptance may move, the output cannot: rejection sampling keeps the target's
+    # distribution).
+    draft_weights: Literal["model", "fp8"] = "model"
+
+    def __post_init__(self) -> None:
+        if self.draft_weights not in ("model", "fp8"):
+            raise ValueError(f"draft_weights must be 'model' or 'fp8', got {self.draft_weights!r}")
+        if self.draft_weights != "model" and not self.graphs:
+            raise ValueError(f"draft_weights={self.draft_weights!r} is an option of the graph path, "
+                             "which graphs=False turns off")

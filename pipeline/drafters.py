@@ -14,7 +14,11 @@ from typing import Protocol, Sequence
 import numpy as np
 import torch
 
+from pipeline.compat import check_compatible
+from pipeline.config import HYBRID_PREFIX, NO_DRAFT, PROMPT_LOOKUP, draft_model_spec  # noqa: F401 - draft_model_spec: re-exported
 from pipeline.models.base import CausalLM
+from pipeline.models.loader import load_model
+from pipeline.models.store import resolve
 from pipeline.rejection import DraftBlock
 from pipeline.rng import Stream, uniform
 from pipeline.sampling import SamplingTensors, sample_from_probs, warp
@@ -22,8 +26,8 @@ from pipeline.sequence import TokenView
 
 
 @dataclass
-class DraftRequest:
-    """One row of a propose call."""
+class ProposeRow:
+    """A row asking for drafts: one request's part of a propose call."""
 
     request_id: str
     context: Sequence[int]  # all committed tokens (prompt + output); the last one is not yet verified
@@ -35,7 +39,7 @@ class Drafter(Protocol):
 
     def propose(
         self,
-        rows: Sequence[DraftRequest],
+        rows: Sequence[ProposeRow],
         k: int,  # block width K (>= every row's num_draft)
         sampling: SamplingTensors,  # per row
         steps: torch.Tensor,  # [B] int64 target-pass counter per row (randomness key)
@@ -50,9 +54,10 @@ class Drafter(Protocol):
     def release(self, request_id: str) -> None:
         """Forget a finished request (free its cache slot)."""
 
-    # Optional, looked up by the engine with getattr (not every drafter has one): `prepare(rows)`, called before
-    # `propose` with the same rows, catches up state that fell behind during steps without drafts. The engine
-    # times it apart, so the K policy does not price that one-time cost into K (PromptLookupDrafter, HybridDrafter).
+    # Optional, looked up with getattr by `pipeline.step.catch_up` (not every drafter has one): `prepare(rows)`,
+    # called before `propose` with the same rows, catches up state that fell behind during steps without drafts.
+    # The engine times it apart, so the K policy does not price that one-time cost into K (PromptLookupDrafter,
+    # HybridDrafter).
 
 
 class PromptLookupDrafter:
@@ -64,7 +69,7 @@ class PromptLookupDrafter:
     `lookup` without a key scans; both give the same answer.
     """
 
-    name = "prompt-lookup"
+    name = PROMPT_LOOKUP
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_requests: int = 4096) -> None:
         assert 1 <= min_ngram <= max_ngram, f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}"
@@ -106,9 +111,13 @@ class PromptLookupDrafter:
                 self.lookup(r.context, 0, key=r.request_id)
 
     def propose(self, rows, k, sampling, steps, draft_top_k) -> DraftBlock:
-        found = [self.lookup(r.context, r.num_draft, key=r.request_id) if r.num_draft else [] for r in rows]
+        found = self.find(rows)
         counts = torch.tensor([len(f) for f in found], dtype=torch.int64)
         return DraftBlock(token_ids=_padded(found, k), num_draft=counts)
+
+    def find(self, rows: Sequence[ProposeRow]) -> list[list[int]]:
+        """Each row's continuation (at most its num_draft tokens; [] where the context offers no match)."""
+        return [self.lookup(r.context, r.num_draft, key=r.request_id) if r.num_draft else [] for r in rows]
 
     def release(self, request_id: str) -> None:
         self._index.pop(request_id, None)
@@ -308,8 +317,7 @@ class HybridDrafter:
 
     def propose(self, rows, k, sampling, steps, draft_top_k) -> DraftBlock:
         B = len(rows)
-        found = [self.lookup.lookup(r.context, r.num_draft, key=r.request_id) if r.num_draft else [] for r in rows]
-        to_model = [b for b, r in enumerate(rows) if r.num_draft and not found[b]]
+        found, to_model = lookup_first(self.lookup, rows)
         self.lookup_rows += sum(1 for f in found if f)
         self.model_rows += len(to_model)
         tokens = _padded(found, k)
@@ -329,36 +337,37 @@ class HybridDrafter:
         return DraftBlock(tokens, counts, top_ids, top_probs)
 
 
-HYBRID_PREFIX = "lookup+"
-
-
 def hybrid_lookup() -> PromptLookupDrafter:
-    """The prompt lookup of a hybrid drafter (the Serve coordinator's hybrid mode uses the same): n-grams of
-    2 or 3 tokens; a single shared token is weak evidence against a draft model's guess."""
+    """The prompt lookup of a hybrid drafter: n-grams of 2 or 3 tokens; a single shared token is weak evidence
+    against a draft model's guess."""
     return PromptLookupDrafter(max_ngram=3, min_ngram=2)
 
 
+def lookup_first(lookup: PromptLookupDrafter, rows: Sequence[ProposeRow]) -> tuple[list[list[int]], list[int]]:
+    """The hybrid rule, for `HybridDrafter` and the Serve coordinator (whose model part runs on drafter workers):
+    prompt lookup first, the model elsewhere. -> (each row's looked-up drafts, indexes of the rows that want
+    drafts and found none: the model's)."""
+    found = lookup.find(rows)
+    return found, [b for b, r in enumerate(rows) if r.num_draft and not found[b]]
+
+
+def lookup_part(spec: str | None) -> PromptLookupDrafter | None:
+    """The prompt lookup a drafter spec runs (alone, or a hybrid's, before the model); None if it has none."""
+    if spec == PROMPT_LOOKUP:
+        return PromptLookupDrafter()
+    return hybrid_lookup() if spec is not None and spec.startswith(HYBRID_PREFIX) else None
+
+
 def build_drafter(spec: str | None, target_info, tokenizer, device: str = "cpu", dtype: str = "float32"):
-    """A drafter from its spec: None (no speculation), "prompt-lookup", a draft model (folder, .gguf or store
-    name), or "lookup+MODEL" (`HybridDrafter`). A draft model must pass the compatibility check against the
-    target (`pipeline.compat.check_compatible`)."""
-    if spec is None:
+    """A drafter from its spec (the drafter vocabulary of pipeline.config): None or "none" (no speculation),
+    "prompt-lookup", a draft model (folder, .gguf or store name), or "lookup+MODEL" (`HybridDrafter`). A draft model
+    must pass the compatibility check against the target (`pipeline.compat.check_compatible`)."""
+    if spec is None or spec == NO_DRAFT:
         return None
-    if spec == PromptLookupDrafter.name:
+    if spec == PROMPT_LOOKUP:
         return PromptLookupDrafter()
     if spec.startswith(HYBRID_PREFIX):
         return HybridDrafter(build_drafter(spec[len(HYBRID_PREFIX):], target_info, tokenizer, device, dtype))
-    from pipeline.compat import check_compatible
-    from pipeline.models.loader import load_model
-    from pipeline.models.store import resolve
-
     draft_model, draft_tok = load_model(str(resolve(spec)), device=device, dtype=dtype)
     check_compatible(target_info, tokenizer, draft_model.info, draft_tok)
     return ModelDrafter(draft_model)
-
-
-def draft_model_spec(spec: str) -> str | None:
-    """The draft model a spec names (for a hybrid, its model part); None for prompt lookup."""
-    if spec == PromptLookupDrafter.name:
-        return None
-    return spec[len(HYBRID_PREFIX):] if spec.startswith(HYBRID_PREFIX) else spec

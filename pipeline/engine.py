@@ -4,10 +4,11 @@
     result = engine.generate("Hello", SamplingParams(temperature=0.7, seed=1), SpecParams(4))
     result.token_ids, result.text, result.stats
 
-Each step (one target pass for every active request): the drafter proposes up to K tokens per row, the
-target scores [pending] + draft in one forward, `verify` + `accept` (pipeline.rejection) pick the
-emitted tokens, and each request commits them (stopping at EOS, stop strings, max_tokens). The one host
-sync per step is reading the accepted counts and tokens back.
+Continuous batching over the step's pieces in `pipeline.step` (the Serve layer runs the same ones): each step
+(one target pass for every active request) the drafter proposes up to K tokens per row, the target scores
+[pending] + draft in one forward, `verify` + `accept` (pipeline.rejection) pick the emitted tokens, and each
+request commits them (stopping at EOS, stop strings, max_tokens). The one host sync per step is reading the
+accepted counts and tokens back.
 """
 
 from __future__ import annotations
@@ -20,28 +21,25 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from pipeline.adaptive import AdaptiveK
-from pipeline.config import EngineConfig, SamplingParams, SpecParams
-from pipeline.drafters import Drafter, DraftRequest, HybridDrafter, ModelDrafter
+from pipeline.config import DEFAULT_DRAFT, HYBRID_PREFIX, PROMPT_LOOKUP, EngineConfig, SamplingParams, SpecParams
+from pipeline.drafters import Drafter, HybridDrafter, ModelDrafter, ProposeRow, build_drafter
 from pipeline.models.base import CausalLM, warmup
-from pipeline.rejection import DraftBlock, accept, verify
+from pipeline.models.graphs import GraphConfig, graphs_on_cuda
+from pipeline.models.loader import load_model
+from pipeline.models.store import DEMO_DRAFT, DEMO_TARGET, resolve
 from pipeline.sampling import SamplingTensors
 from pipeline.sequence import RequestState
-
-DEFAULT_DRAFT = "default"  # default_draft(target) picks
+from pipeline.step import (
+    CACHE_SLACK, catch_up, commit, draft_budgets, empty_block, new_k_policy, propose, verify_and_accept,
+)
 
 
 def default_draft(target: str | None) -> str:
     """The default drafter for a target. The demo target gets its shipped distilled drafter behind prompt
     lookup ("lookup+smollm2-135m-distill": 1.33x target-only on the 2-core CPU against 1.24x for prompt lookup
-    alone, BENCHMARKS.md issue 8); any other target gets prompt lookup, since no shipped drafter shares its
+    alone); any other target gets prompt lookup, since no shipped drafter shares its
     tokenizer."""
-    from pipeline.drafters import HYBRID_PREFIX
-    from pipeline.models.store import DEMO_DRAFT, DEMO_TARGET
-
-    return HYBRID_PREFIX + DEMO_DRAFT if target in (None, DEMO_TARGET) else "prompt-lookup"
-
-
-_CACHE_SLACK = 72  # positions past max_seq_len: K+1 verify tokens and draft padding write there
+    return HYBRID_PREFIX + DEMO_DRAFT if target in (None, DEMO_TARGET) else PROMPT_LOOKUP
 
 
 @dataclass
@@ -85,21 +83,16 @@ class SpeculativeEngine:
     ) -> None:
         self.config = config or EngineConfig()
         model_drafter = _model_drafter(drafter)
-        draft_weights = self.config.extra.get("draft_weights")
-        if draft_weights and model_drafter is None:
+        draft_weights = self.config.draft_weights
+        if draft_weights != "model" and model_drafter is None:
             raise ValueError(f"draft_weights={draft_weights!r} applies to a draft model, and this drafter has none")
-        if draft_weights and not self.config.extra.get("graphs", True):
-            raise ValueError(f"draft_weights={draft_weights!r} is an option of the graph path, "
-                             "which extra['graphs'] turns off")
-        if self.config.extra.get("graphs", True):  # static-shape CUDA-graph path for models on CUDA
+        if self.config.graphs:  # static-shape CUDA-graph path for models on CUDA
             target = _graphs_on_cuda(target)
             if model_drafter is not None:
-                # extra["draft_weights"] = "fp8": the drafter's graph path streams float8 weight copies (half the
-                # bytes; acceptance may move, the output cannot: rejection sampling keeps the target's distribution)
                 model_drafter.model = _graphs_on_cuda(model_drafter.model, draft_weights)
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.k_policy = k_policy
-        cache_len = self.config.max_seq_len + _CACHE_SLACK
+        cache_len = self.config.max_seq_len + CACHE_SLACK
         if target.num_slots < self.config.max_batch_size or target.max_len < cache_len:
             target.allocate(self.config.max_batch_size, cache_len)
         if model_drafter is not None:
@@ -138,17 +131,12 @@ class SpeculativeEngine:
         "prompt-lookup", "lookup+MODEL" (prompt lookup where it matches, the model elsewhere), "default"
         (`default_draft(target)`), or None for target-only decoding. adaptive_k: greedy requests draft 0..K
         tokens per step, whichever the measured step costs and acceptance say pays most (`pipeline.adaptive`)."""
-        from pipeline.drafters import build_drafter
-        from pipeline.models.loader import load_model
-        from pipeline.models.store import resolve
-
         config = config or EngineConfig()
         model, tokenizer = load_model(str(resolve(target)), device=config.device, dtype=config.dtype)
         if draft == DEFAULT_DRAFT:
             draft = default_draft(target)
         drafter = build_drafter(draft, model.info, tokenizer, config.device, config.dtype)
-        policy = AdaptiveK(max_k=16) if adaptive_k else None  # each request's num_draft_tokens caps it further
-        return cls(model, tokenizer, drafter, config, k_policy=policy)
+        return cls(model, tokenizer, drafter, config, k_policy=new_k_policy() if adaptive_k else None)
 
     # -- public API ------------------------------------------------------------------------------------
     def generate(
@@ -269,7 +257,7 @@ class SpeculativeEngine:
 
     @torch.inference_mode()
     def step(self, states: list[RequestState], slots: list[int], spec: SpecParams) -> list[StreamEvent]:
-        """One target pass for every request in `states` (all unfinished, prefilled)."""
+        """One target pass for every request in `states` (all unfinished, prefilled), over `pipeline.step`."""
         B = len(states)
         device = self.target.device if hasattr(self.target, "device") else torch.device("cpu")
         # A request's sampling parameters never change: rebuild the tensors (four host-to-device copies) only when
@@ -279,63 +267,38 @@ class SpeculativeEngine:
             self._sampling = (rows_key, SamplingTensors.from_params([s.params for s in states], device))
         sampling = self._sampling[1]
         steps = torch.tensor([s.step for s in states], dtype=torch.int64, device=device)
-        # Never draft past max_tokens: the last allowed token always comes from the target.
         t0 = time.perf_counter()
         captures = self._captures()
-        k = k_greedy = spec.num_draft_tokens
-        if self.k_policy is not None and self.drafter is not None:
-            k_greedy = self.k_policy.choose(B, k)
-        # The policy sets K for greedy rows only: a sampled row's tokens depend on its K schedule (which
-        # positions are decided by an accept test rather than a direct sample), and K chosen from measured
-        # timings would make a seeded request's output irreproducible. Sampled rows keep the request's K.
-        wants = [min(k_greedy if s.params.temperature == 0 else k, s.remaining - 1) if self.drafter else 0
-                 for s in states]
-        K = max(wants)
+        policy = self.k_policy if self.drafter is not None else None
+        wants, adapt = draft_budgets(states, spec.num_draft_tokens if self.drafter else 0, policy)
         catch_up_s = 0.0
-        if K > 0:
-            rows = [DraftRequest(s.request_id, s.context_view, w) for s, w in zip(states, wants)]
-            prepare = getattr(self.drafter, "prepare", None)
-            if prepare is not None:
-                # The drafter's catch-up on the tokens committed while it was not drafting (prompt lookup's index
-                # after a run of K = 0 steps): a one-time price of switching K on, not of this K, so the policy's
-                # cost for K leaves it out (H100, 32 streams: an exploring K = 1 step measured 2.2x a decode step
-                # with it, and speculation never came back). What every drafting step pays stays in `propose`.
-                t_prep = time.perf_counter()
-                prepare(rows)
-                catch_up_s = time.perf_counter() - t_prep
-            draft = self.drafter.propose(rows, K, sampling, steps, spec.draft_top_k)
-            if draft.num_draft.device.type == "cpu":  # host-side drafters (prompt lookup): free to trim
-                # Feed only as many columns as the longest proposal: a step where the lookup found nothing
-                # is a plain decode (T = 1), not a verify of K padding tokens.
-                K = int(draft.num_draft.max())
-                draft = draft.trim(K)
-            draft = draft.to(device)
+        if max(wants) > 0:
+            rows = [ProposeRow(s.request_id, s.context_view, w) for s, w in zip(states, wants)]
+            t_prep = time.perf_counter()
+            catch_up(self.drafter, rows)  # timed apart: the K policy's cost for K leaves it out
+            catch_up_s = time.perf_counter() - t_prep
+            draft = propose(self.drafter, rows, sampling, steps, spec.draft_top_k).to(device)
         else:
-            draft = DraftBlock(torch.zeros(B, 0, dtype=torch.int64, device=device), torch.zeros(B, dtype=torch.int64, device=device))
+            draft = empty_block(B, device)
         t1 = time.perf_counter()
         pending = torch.tensor([s.last_token for s in states], dtype=torch.int64, device=device)
-        tokens = torch.cat([pending[:, None], draft.token_ids], dim=1)  # [B, K+1]
-        # Positions and slots stay on the host: runners read them without a device sync.
-        positions = torch.tensor([s.length - 1 for s in states], dtype=torch.int64)
-        logits = self.target.forward(tokens, positions, torch.tensor(slots, dtype=torch.int64))  # [B, K+1, V]
-        verified = verify(logits, draft, sampling, steps)
-        out = accept(verified, draft, sampling.seeds, steps, sampling.all_greedy)
-        num_accepted = out.num_accepted.tolist()  # the step's one deliberate host sync
-        emitted = out.tokens.tolist()
-        num_draft = draft.num_draft.tolist()
+        positions = torch.tensor([s.length - 1 for s in states], dtype=torch.int64)  # on the host: no device sync
+        verdicts = verify_and_accept(self.target, pending, draft, positions, torch.tensor(slots, dtype=torch.int64),
+                                     sampling, steps)
         t2 = time.perf_counter()
+        K = draft.k
         self.timings.draft_s += t1 - t0
         self.timings.target_s += t2 - t1
         self.timings.steps += 1
         self.timings.steps_by_k[K] = self.timings.steps_by_k.get(K, 0) + 1
-        if self.k_policy is not None and self.drafter is not None:
+        if adapt:
             # A step that captured a CUDA graph (a new batch/K/context bucket) is no measure of its cost.
-            self.k_policy.observe(B, K, t2 - t0 - catch_up_s, num_draft, num_accepted,
-                                  timed=self._captures() == captures)
+            self.k_policy.observe(B, K, t2 - t0 - catch_up_s, [v.num_draft for v in verdicts],
+                                  [v.num_accepted for v in verdicts], timed=self._captures() == captures)
 
         events = []
-        for b, state in enumerate(states):
-            committed, text = state.commit(emitted[b][: num_accepted[b] + 1], num_draft[b], num_accepted[b])
+        for state, verdict in zip(states, verdicts):
+            committed, text = commit(state, verdict)
             result = self._result(state) if state.finished else None
             events.append(StreamEvent(state.request_id, committed, text, state.finished, result))
         return events
@@ -364,11 +327,9 @@ def _model_drafter(drafter: Drafter | None) -> ModelDrafter | None:
     return drafter if isinstance(drafter, ModelDrafter) else None
 
 
-def _graphs_on_cuda(model: CausalLM, weights: str | None = None) -> CausalLM:
+def _graphs_on_cuda(model: CausalLM, weights: str = "model") -> CausalLM:
     """The static-shape graph runner for Llama-family models on a CUDA device; others unchanged. `weights`:
-    `GraphConfig.weights` ('fp8' for a drafter's float8 copies; None: the model's own)."""
-    from pipeline.models.graphs import GraphConfig, graphs_on_cuda
-
-    if weights and torch.device(getattr(model, "device", "cpu")).type != "cuda":
+    `GraphConfig.weights` ('fp8' for a drafter's float8 copies; 'model': the model's own)."""
+    if weights != "model" and torch.device(getattr(model, "device", "cpu")).type != "cuda":
         raise ValueError(f"draft_weights={weights!r} needs the draft model on a CUDA device (it is a graph-path option)")
-    return graphs_on_cuda(model, GraphConfig(weights=weights) if weights else None)
+    return graphs_on_cuda(model, GraphConfig(weights=weights) if weights != "model" else None)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.rng import Stream, uniform, uniform_row
+from pipeline.rng import Stream, uniform
 from pipeline.sampling import SamplingTensors, sample_from_probs, warp
 
 
@@ -126,29 +126,6 @@ def accept(
     return AcceptOutput(num_accepted=num_accepted, tokens=tokens)
 
 
-def accept_row(
-    accept_probs: list[float],  # [K] from VerifyOutput, one row
-    target_tokens: list[int],  # [K+1]
-    draft_tokens: list[int],  # [K]
-    seed: int,
-    step: int,
-) -> tuple[int, list[int]]:
-    """`accept` for a single request in plain Python (bit-identical; tests check it against `accept`).
-
-    Returns (accepted draft tokens n, emitted tokens draft[:n] + [recovered or bonus]). Uniforms are only
-    computed when some acceptance probability is strictly between 0 and 1 (never for greedy).
-    """
-    K = len(draft_tokens)
-    assert len(accept_probs) == K and len(target_tokens) == K + 1, (
-        f"verdict for K={len(accept_probs)} with {len(target_tokens)} target tokens, draft has {K}"
-    )
-    u = uniform_row(seed, step, Stream.ACCEPT, K) if any(0.0 < q < 1.0 for q in accept_probs) else [0.5] * K
-    n = 0
-    while n < K and u[n] < accept_probs[n]:
-        n += 1
-    return n, [*draft_tokens[:n], int(target_tokens[n])]
-
-
 def _dense_draft_probs(draft: DraftBlock, drafted: torch.Tensor, V: int) -> torch.Tensor:
     """Scatter the sparse draft distribution into [B, K+1, V]; point masses when no probabilities."""
     B, K = draft.token_ids.shape
@@ -160,25 +137,3 @@ def _dense_draft_probs(draft: DraftBlock, drafted: torch.Tensor, V: int) -> torc
         # add, not assign: a support may list an id more than once (padding at probability 0)
         dense[:, :K].scatter_add_(-1, draft.top_ids, draft.top_probs.float() * mask)
     return dense
-
-
-def reference_speculative_step(
-    target_probs: torch.Tensor,  # [K+1, V] (already warped)
-    draft_probs: torch.Tensor,  # [K, V] (already warped)
-    draft_tokens: list[int],
-    rand: "callable",  # () -> float in (0, 1)
-) -> list[int]:
-    """The textbook algorithm, one request, sequential, for tests only."""
-    out: list[int] = []
-    for i, tok in enumerate(draft_tokens):
-        ratio = float(target_probs[i, tok]) / max(float(draft_probs[i, tok]), 1e-30)
-        if rand() < min(1.0, ratio):
-            out.append(tok)
-            continue
-        residual = (target_probs[i] - draft_probs[i]).clamp_min(0)
-        if residual.sum() <= 1e-12:
-            residual = target_probs[i]
-        out.append(int(torch.multinomial(residual / residual.sum(), 1)))
-        return out
-    out.append(int(torch.multinomial(target_probs[len(draft_tokens)], 1)))
-    return out

@@ -50,20 +50,3 @@ def uniform(
     index = torch.arange(num, device=seeds.device, dtype=torch.int64)  # [num]
     h = _pcg(_pcg(key[:, None] ^ index[None, :]))  # [B, num], two rounds: adjacent indices decorrelate
     return (h.to(torch.float64) + 0.5) / 4294967296.0
-
-
-def uniform_row(seed: int, step: int, stream: Stream, num: int) -> list[float]:
-    """uniform() for one request in plain Python: bit-identical, without torch's per-op overhead (a
-    coordinator accepts one row per step, where the tensor version costs ~0.8 ms)."""
-    h = _pcg_int(seed & _MASK32)
-    h = _pcg_int(h ^ ((seed >> 32) & _MASK32))
-    h = _pcg_int(h ^ (step & _MASK32))
-    key = _pcg_int(h ^ int(stream))
-    return [(_pcg_int(_pcg_int(key ^ i)) + 0.5) / 4294967296.0 for i in range(num)]
-
-
-def _pcg_int(x: int) -> int:
-    """_pcg on one Python int."""
-    state = (x * 747796405 + 2891336453) & _MASK32
-    word = (((state >> ((state >> 28) + 4)) ^ state) * 277803737) & _MASK32
-    return ((word >> 22) ^ word) & _MASK32

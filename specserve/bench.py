@@ -80,8 +80,7 @@ def run_bench(
     target_path = str(resolve(target))
     torch_dtype = getattr(torch, dtype)
     model, tok = load_model(target_path, device=device, dtype=dtype)
-    extra = {"draft_weights": draft_weights} if draft_weights != "model" else {}
-    config = EngineConfig(max_batch_size=1, max_seq_len=4096, device=device, dtype=dtype, extra=extra)
+    config = EngineConfig(max_batch_size=1, max_seq_len=4096, device=device, dtype=dtype, draft_weights=draft_weights)
     drafter = build_drafter(draft, model.info, tok, device, dtype)
     policy = AdaptiveK(max_k=k) if adaptive_k else None
     engine = SpeculativeEngine(model, tok, drafter, config, k_policy=policy)  # refuses bad options before HF loads

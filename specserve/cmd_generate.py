@@ -54,9 +54,8 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     draft = None if args.no_draft else (default_draft(args.target) if args.draft in (None, "default") else args.draft)
-    extra = {"draft_weights": args.draft_weights} if args.draft_weights != "model" else {}
     config = EngineConfig(max_batch_size=1, max_seq_len=args.max_seq_len, device=args.device, dtype=args.dtype,
-                          extra=extra)
+                          draft_weights=args.draft_weights)
     engine = SpeculativeEngine.from_pretrained(args.target, draft, config, adaptive_k=not args.fixed_k)
 
     result = None

@@ -53,7 +53,6 @@ def load_config(args: argparse.Namespace):  # -> deployments.config.AppConfig
     import yaml
 
     from deployments.config import AppConfig
-    from pipeline.drafters import HYBRID_PREFIX
 
     data: dict[str, Any] = {}
     if args.config:
@@ -78,21 +77,12 @@ def load_config(args: argparse.Namespace):  # -> deployments.config.AppConfig
 
     put("target.model", args.target)
     draft = args.draft
-    if draft is None and "method" not in (data.get("drafter") or {}):  # as `generate`: the target's default drafter
-        from pipeline.engine import default_draft
+    if draft in (None, "default") and "draft" not in (data.get("drafter") or {}):
+        from pipeline.engine import default_draft  # as `generate`: the target's default drafter
 
         draft = default_draft((data.get("target") or {}).get("model"))
-    if draft is not None:
-        if draft in ("prompt-lookup", "prompt_lookup"):
-            put("drafter.method", "prompt_lookup")
-        elif draft == "none":
-            put("drafter.method", "none")
-        elif draft.startswith(HYBRID_PREFIX):
-            put("drafter.method", "hybrid")
-            put("drafter.model", draft[len(HYBRID_PREFIX):])
-        else:
-            put("drafter.method", "model")
-            put("drafter.model", draft)
+    if draft not in (None, "default"):
+        put("drafter.draft", draft)  # the same words as the config's drafter.draft
     put("speculation.num_draft_tokens", args.num_draft_tokens)
     put("redis_url", args.redis_url)
     put("served_model_name", args.served_model_name)
@@ -131,9 +121,7 @@ def run(args: argparse.Namespace) -> int:
     print("specserve: preparing models ...", flush=True)
     cfg.target.model = str(resolve(cfg.target.model))
     if cfg.drafter.uses_model:
-        from pipeline.models.store import DEMO_DRAFT
-
-        cfg.drafter.model = str(resolve(cfg.drafter.model or DEMO_DRAFT))  # None: the shipped demo drafter
+        cfg.drafter = cfg.drafter.with_model(str(resolve(cfg.drafter.model)))
 
     import ray
     from ray import serve
@@ -164,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
         url = f"http://{shown_host}:{args.port}"
         model = cfg.served_model_name or os.path.basename(cfg.target.model.rstrip("/"))
         redis_where = redact(cfg.redis_url) if cfg.redis_url else "embedded"
-        print(f"specserve: serving {model} at {url}  (drafter: {cfg.drafter.method}, Redis: {redis_where})")
+        print(f"specserve: serving {model} at {url}  (drafter: {cfg.drafter.draft}, Redis: {redis_where})")
         print(f"  curl -N {url}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 32, \"stream\": true}}'")
         calm.set()

@@ -37,7 +37,7 @@ def server(tiny_models):
         "target": {"model": str(tiny_models["llama"]), "max_seq_len": MAX_SEQ_LEN, "max_batch_size": 20},
         # hybrid: prompt lookup in the coordinator where the context repeats, the drafter replicas elsewhere
         # (both paths run in these tests: the tiny model's text loops, and its fresh prompts do not repeat)
-        "drafter": {"method": "hybrid", "model": str(tiny_models["draft"]), "resources": {"num_replicas": 2}},
+        "drafter": {"draft": "lookup+" + str(tiny_models["draft"]), "resources": {"num_replicas": 2}},
         "coordinator": {"num_replicas": 2},
         "ingress": {"max_body_bytes": 64 * 1024},
         "speculation": {"num_draft_tokens": K},

@@ -101,13 +101,13 @@ def test_gpu_count_not_matching_tensor_parallel_size(shipped):
 
 def test_unknown_model_path_names_the_model_field(shipped):
     cluster, serve = _load(shipped)
-    serve["applications"][0]["args"]["drafter"]["model"] = "/nonexistent/drafter"
+    serve["applications"][0]["args"]["drafter"]["draft"] = "/nonexistent/drafter"
     (err,) = _errors(shipped, cluster, serve)
-    assert err.startswith("applications[0].args.drafter.model: model path '/nonexistent/drafter' not found")
+    assert err.startswith("applications[0].args.drafter.draft: model path '/nonexistent/drafter' not found")
     # A path under a file_mounts destination whose source lacks it.
-    serve["applications"][0]["args"]["drafter"]["model"] = "~/models/missing"
+    serve["applications"][0]["args"]["drafter"]["draft"] = "~/models/missing"
     (err,) = _errors(shipped, cluster, serve)
-    assert err.startswith("applications[0].args.drafter.model: '~/models/missing' is under file_mounts")
+    assert err.startswith("applications[0].args.drafter.draft: '~/models/missing' is under file_mounts")
     # Models fetched by setup commands: the check can be skipped.
     assert _errors(shipped, cluster, serve, check_models=False) == []
 

@@ -28,7 +28,7 @@ def server(demo_path):
 
     from pipeline.models.store import DEMO_DRAFT, resolve
 
-    drafter = {"method": "hybrid", "model": str(resolve(DEMO_DRAFT))}
+    drafter = {"draft": "lookup+" + str(resolve(DEMO_DRAFT))}
     url = run_app(build_app({"target": {"model": demo_path, "max_seq_len": 1024}, "drafter": drafter}), APP)
     yield url
     serve.delete(APP)
@@ -81,7 +81,7 @@ def test_greedy_completion_equals_engine_and_hf(client, engine, hf):
     assert got == hf_greedy(hf, ids, N)[: len(got)]
     assert full.choices[0].text == engine.tokenizer.decode(got, skip_special_tokens=True)
     assert full.usage.prompt_tokens == len(ids)
-    assert full.speculation["drafter"] == "hybrid"
+    assert full.speculation["drafter"].startswith("lookup+")
 
     streamed = client.completions.create(model=model, prompt=PROMPT, max_tokens=N, temperature=0, stream=True)
     text = "".join(c.choices[0].text for c in streamed if c.choices)

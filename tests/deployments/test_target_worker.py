@@ -9,8 +9,10 @@ import asyncio
 import pytest
 import torch
 
-from deployments.target_replica import TargetWorker, VerifyRow
+from deployments.messages import VerifyCall
+from deployments.target_replica import TargetWorker
 from pipeline.config import SamplingParams
+from pipeline.step import Draft
 from pipeline.models.graphs import GraphCausalLM, GraphConfig
 
 GREEDY = SamplingParams(temperature=0.0, seed=0)
@@ -46,7 +48,7 @@ async def _play(worker: TargetWorker, batched: bool) -> list[dict]:
             if start is None:
                 leaving.append(rid)
             else:
-                rows.append(VerifyRow(rid, start, tokens, GREEDY, step=start, prefix=prefix))
+                rows.append(VerifyCall(rid, start, tokens[0], Draft(tokens[1:]), GREEDY, step=start, prefix=prefix))
         if leaving:
             await worker.release(leaving)
         if batched:

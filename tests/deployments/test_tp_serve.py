@@ -31,7 +31,7 @@ def server(tiny_models):
     config = {
         "served_model_name": MODEL,
         "target": {"model": str(tiny_models["llama"]), "max_seq_len": MAX_SEQ_LEN, "max_batch_size": 8, **TP},
-        "drafter": {"method": "model", "model": str(tiny_models["draft"])},
+        "drafter": {"draft": str(tiny_models["draft"])},
         "speculation": {"num_draft_tokens": K},
         "coordinator": {"replica_wait_s": 90},
     }

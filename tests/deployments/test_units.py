@@ -20,7 +20,7 @@ from deployments.sse import DONE, format_event, parse_event_id, sse_stream
 # -- config -> options ------------------------------------------------------------------------------------
 
 def test_cpu_defaults_need_no_placement_group_and_claim_no_cpu():
-    opts = cfg.deployment_options(cfg.AppConfig(redis_url=None, drafter={"method": "model"}))
+    opts = cfg.deployment_options(cfg.AppConfig(redis_url=None, drafter={"draft": "/m/d"}))
     assert set(opts) == {cfg.TARGET, cfg.DRAFTER, cfg.COORDINATOR, cfg.INGRESS, cfg.EMBEDDED_REDIS}
     for name, o in opts.items():
         assert o["name"] == name
@@ -41,7 +41,7 @@ def test_gpu_target_with_tensor_parallelism_gets_one_packed_bundle_per_rank():
 
 
 def test_cheap_gpu_drafter_bundle_and_worker_options():
-    c = cfg.AppConfig(redis_url=None, drafter={"method": "model", "resources": {
+    c = cfg.AppConfig(redis_url=None, drafter={"draft": "/m/d", "resources": {
         "num_replicas": 3, "num_gpus": 1, "accelerator_type": "T4", "memory_gb": 2}})
     o = cfg.deployment_options(c)[cfg.DRAFTER]
     assert o["num_replicas"] == 3
@@ -53,8 +53,21 @@ def test_cheap_gpu_drafter_bundle_and_worker_options():
 
 
 def test_prompt_lookup_and_no_drafter_have_no_drafter_deployment():
-    for method in ("prompt_lookup", "none"):
-        assert cfg.DRAFTER not in cfg.deployment_options(cfg.AppConfig(drafter={"method": method}))
+    for draft in ("prompt-lookup", "none"):
+        assert cfg.DRAFTER not in cfg.deployment_options(cfg.AppConfig(drafter={"draft": draft}))
+    for draft in ("/m/d", "lookup+/m/d"):
+        assert cfg.DRAFTER in cfg.deployment_options(cfg.AppConfig(drafter={"draft": draft}))
+
+
+def test_drafter_config_speaks_the_cli_vocabulary():
+    d = cfg.DrafterConfig(draft="lookup+/m/d")
+    assert d.model == "/m/d" and d.uses_model and d.drafts
+    assert d.with_model("/abs/d").draft == "lookup+/abs/d"
+    assert cfg.DrafterConfig().draft == "prompt-lookup" and cfg.DrafterConfig().model is None
+    assert not cfg.DrafterConfig(draft="none").drafts
+    for old in ("prompt_lookup", "hybrid", "model"):
+        with pytest.raises(ValidationError, match="drafter.draft=.*use the CLI's words"):
+            cfg.DrafterConfig(draft=old)
 
 
 def test_config_rejects_bad_values_clearly():
@@ -93,8 +106,8 @@ def test_redis_url_comes_from_the_environment(monkeypatch):
     ({"model": "m", "prompt": "x", "presence_penalty": 1.0}, "presence_penalty"),
 ])
 def test_bad_completion_requests_are_400_naming_the_parameter(body, param):
-    with pytest.raises(APIError) as e:
-        parse_request("completion", body)
+    with pytest.raises(APIError) as e:  # request fields at parsing; sampling fields when the SamplingParams is made
+        parse_request("completion", body).sampling_params(16)
     assert e.value.status == 400 and e.value.param == param
     assert set(e.value.body()["error"]) == {"message", "type", "param", "code"}
 
@@ -260,16 +273,16 @@ def test_cli_overrides_the_config_file():
 
     c = load_config(_serve_args("--config", "deployments/serve_config.yaml", "--draft", "/m/d", "-k", "6",
                                 "--coordinators", "2", "--target-threads", "2", "--no-overlap"))
-    assert c.drafter.method == "model" and c.drafter.model == "/m/d"
+    assert c.drafter.draft == "/m/d" and c.drafter.model == "/m/d"
     assert c.speculation.num_draft_tokens == 6 and c.coordinator.num_replicas == 2
     assert c.target.resources.torch_threads == 2 and c.coordinator.overlap is False
     assert c.target.max_seq_len == 2048  # from the file
-    assert load_config(_serve_args("--draft", "none")).drafter.method == "none"
+    assert load_config(_serve_args("--draft", "none")).drafter.draft == "none"
     demo = load_config(_serve_args())  # the demo target: prompt lookup + its shipped distilled drafter
-    assert demo.drafter.method == "hybrid" and demo.drafter.model == "smollm2-135m-distill"
-    assert load_config(_serve_args("--target", "/m/other")).drafter.method == "prompt_lookup"  # the config default
+    assert demo.drafter.draft == "lookup+smollm2-135m-distill" and demo.drafter.model == "smollm2-135m-distill"
+    assert load_config(_serve_args("--target", "/m/other")).drafter.draft == "prompt-lookup"  # the target's default
     # a config file that names its drafter keeps it
-    assert load_config(_serve_args("--config", "deployments/serve_config.yaml")).drafter.method == "prompt_lookup"
+    assert load_config(_serve_args("--config", "deployments/serve_config.yaml")).drafter.draft == "prompt-lookup"
 
 
 def test_serve_config_file_is_valid_and_builds_the_app():
@@ -363,27 +376,31 @@ def test_target_worker_chunked_prefill_gives_the_same_verdicts(tiny_models):
 
     from deployments import target_replica as tr
     from pipeline.config import SamplingParams
+    from pipeline.step import Draft, Verdict
     from pipeline.models.loader import load_model
 
     worker = tr.TargetWorker(str(tiny_models["llama"]), max_batch_size=2, max_seq_len=600)
     prompt = [(7 * i + 3) % 128 for i in range(2 * tr.PREFILL_CHUNK + 50)]
     params = SamplingParams(seed=5)
-    row = tr.VerifyRow("long", len(prompt) - 1, [prompt[-1], 5, 6], params, 0, prefix=prompt[:-1])
-    other = tr.VerifyRow("short", 2, [9, 1], params, 0, prefix=[4, 8])
+    row = tr.VerifyCall("long", len(prompt) - 1, prompt[-1], Draft([5, 6]), params, 0, prefix=prompt[:-1])
+    other = tr.VerifyCall("short", 2, 9, Draft([1]), params, 0, prefix=[4, 8])
     results = []
     for _ in range(3):  # the batcher re-queues AGAIN rows; here by hand
         out = worker._run_batch([row, other] if not results else [row])
         results.append(out[0])
         if out[0] != tr.AGAIN:
             break
-    assert results[:-1] == [tr.AGAIN, tr.AGAIN] and isinstance(results[-1], dict)
+    assert results[:-1] == [tr.AGAIN, tr.AGAIN] and isinstance(results[-1], Verdict)
 
     ref, _ = load_model(str(tiny_models["llama"]))
     ref.allocate(1, 700)
     with torch.inference_mode():
         ref.forward(torch.tensor([prompt[:-1]]), torch.tensor([0]), torch.tensor([0]), len(prompt) - 2)
         logits = ref.forward(torch.tensor([[prompt[-1], 5, 6]]), torch.tensor([len(prompt) - 1]), torch.tensor([0]))
-    assert results[-1]["target_tokens"] == logits.argmax(-1)[0].tolist()  # greedy: argmax at every position
+    # greedy: the accepted drafts are the argmax where they match it, then the argmax after them
+    argmax = logits.argmax(-1)[0].tolist()
+    n = 0 if argmax[0] != 5 else (1 if argmax[1] != 6 else 2)
+    assert results[-1].num_accepted == n and results[-1].tokens == argmax[: n + 1]
 
 
 def test_step_batcher_requeues_unfinished_rows_first():
@@ -491,19 +508,17 @@ def test_pad_sparse_leaves_each_rows_distribution_unchanged():
     import numpy as np
     import torch
 
-    from deployments.target_replica import VerifyRow, _pad_sparse
-    from pipeline.config import SamplingParams
-    from pipeline.rejection import DraftBlock, _dense_draft_probs
+    from pipeline.rejection import _dense_draft_probs
+    from pipeline.step import Draft, pack
 
     rows = [
-        VerifyRow("a", 0, [1, 5, 6], SamplingParams(), 0, np.array([[5, 2, 9], [6, 7, 8]]),
-                  np.array([[0.5, 0.3, 0.2], [0.9, 0.05, 0.05]], dtype=np.float32)),
-        VerifyRow("b", 0, [1, 4, 4], SamplingParams(), 0, np.array([[4], [4]]), np.array([[1.0], [1.0]], dtype=np.float32)),
-        VerifyRow("c", 0, [1, 3, 2], SamplingParams(), 0, None, None),  # point masses
+        Draft([5, 6], np.array([[5, 2, 9], [6, 7, 8]]), np.array([[0.5, 0.3, 0.2], [0.9, 0.05, 0.05]], dtype=np.float32)),
+        Draft([4, 4], np.array([[4], [4]]), np.array([[1.0], [1.0]], dtype=np.float32)),
+        Draft([3, 2]),  # point masses
     ]
-    ids, probs = _pad_sparse(rows, 2, torch)
-    tokens = torch.tensor([r.tokens[1:] for r in rows])
-    dense = _dense_draft_probs(DraftBlock(tokens, torch.tensor([2, 2, 2]), ids, probs), torch.ones(3, 2, dtype=torch.bool), 16)
+    block = pack(rows)
+    assert block.token_ids.tolist() == [[5, 6], [4, 4], [3, 2]] and block.num_draft.tolist() == [2, 2, 2]
+    dense = _dense_draft_probs(block, torch.ones(3, 2, dtype=torch.bool), 16)
     assert torch.allclose(dense[:, :2].sum(-1), torch.ones(3, 2))
     assert dense[0, 0, 5] == 0.5 and dense[0, 0, 2] == pytest.approx(0.3) and dense[1, 0, 4] == 1.0
     assert dense[2, 0, 3] == 1.0 and dense[2, 1, 2] == 1.0

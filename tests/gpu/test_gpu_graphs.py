@@ -253,7 +253,7 @@ def test_greedy_speculative_on_graphs_equals_unbatched_eager_fp32(attention):
     params = [SamplingParams(max_tokens=m, ignore_eos=True, seed=0) for m in max_tokens]
 
     ref_engine = SpeculativeEngine(random_llama(tiny, dev, torch.float32, seed=3), None, None,
-                                   EngineConfig(max_batch_size=1, max_seq_len=128, extra={"graphs": False}))
+                                   EngineConfig(max_batch_size=1, max_seq_len=128, graphs=False))
     ref = [ref_engine.generate(p, q, SpecParams(0)).token_ids for p, q in zip(prompts, params)]
 
     cfg = GraphConfig(attention=attention)
@@ -273,7 +273,7 @@ def test_greedy_speculative_on_graphs_equals_unbatched_eager_fp32(attention):
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_greedy_with_an_fp8_drafter_equals_the_float32_target():
-    """A drafter whose graph path streams float8 weights (EngineConfig.extra['draft_weights'] = 'fp8') changes
+    """A drafter whose graph path streams float8 weights (EngineConfig.draft_weights = 'fp8') changes
     what is proposed and accepted, never the output: greedy speculative decoding equals the float32 target's own
     greedy decoding token for token."""
     if torch.cuda.get_device_capability() < (8, 9):
@@ -283,12 +283,12 @@ def test_greedy_with_an_fp8_drafter_equals_the_float32_target():
     prompts = [[5, 17, 33, 17, 33, 9], list(range(40, 70)), [100, 7], [4, 4, 8, 15, 16, 23, 42]]
     params = [SamplingParams(max_tokens=m, ignore_eos=True, seed=0) for m in (40, 9, 33, 21)]
     ref_engine = SpeculativeEngine(random_llama(tiny, dev, torch.float32, seed=3), None, None,
-                                   EngineConfig(max_batch_size=1, max_seq_len=128, extra={"graphs": False}))
+                                   EngineConfig(max_batch_size=1, max_seq_len=128, graphs=False))
     ref = [ref_engine.generate(p, q, SpecParams(0)).token_ids for p, q in zip(prompts, params)]
     # the drafter: the target's own weights in bf16 (so it proposes well), streamed as float8
     drafter = ModelDrafter(random_llama(tiny, dev, torch.bfloat16, seed=3))
     engine = SpeculativeEngine(random_llama(tiny, dev, torch.float32, seed=3), None, drafter,
-                               EngineConfig(max_batch_size=2, max_seq_len=128, extra={"draft_weights": "fp8"}))
+                               EngineConfig(max_batch_size=2, max_seq_len=128, draft_weights="fp8"))
     assert isinstance(drafter.model, GraphCausalLM) and drafter.model._fp8
     got = [r.token_ids for r in engine.generate_batch(prompts, params, SpecParams(4))]
     assert got == ref

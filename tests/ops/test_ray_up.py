@@ -59,7 +59,7 @@ def _serve_config(d: Deployed, tiny_models: dict) -> str:
     app["args"]["target"]["model"] = str(tiny_models["llama"])
     # The target itself as drafter: greedy drafts are then always accepted, so every acceptance counter
     # moves (Ray exports a counter only once it has been incremented).
-    app["args"]["drafter"]["model"] = str(tiny_models["llama"])
+    app["args"]["drafter"]["draft"] = str(tiny_models["llama"])
     app["runtime_env"]["env_vars"].update({
         "OTEL_EXPORTER_OTLP_ENDPOINT": d.receiver.http_endpoint,
         "OTEL_BSP_SCHEDULE_DELAY": "200",  # ms: export spans soon after they end

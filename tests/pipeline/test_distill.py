@@ -167,11 +167,11 @@ def test_distilled_drafter_keeps_greedy_output_and_drafts_only_its_vocabulary(di
         assert spec.token_ids == plain.generate(prompt, params, SpecParams(0)).token_ids
         assert spec.stats["target_passes"] < 20 or spec.stats["accepted"] == 0
     # Sampled drafting: every proposed token and every shipped probability is over the draft vocabulary.
-    from pipeline.drafters import DraftRequest
+    from pipeline.drafters import ProposeRow
     from pipeline.sampling import SamplingTensors
 
     vocab = set(d.info.output_token_ids)
-    rows = [DraftRequest("r", torch.randint(3, 96, (6,), generator=g).tolist(), 4)]
+    rows = [ProposeRow("r", torch.randint(3, 96, (6,), generator=g).tolist(), 4)]
     sampling = SamplingTensors.from_params([SamplingParams(temperature=1.0, seed=3)], device="cpu")
     block = drafter.propose(rows, 4, sampling, torch.zeros(1, dtype=torch.long), draft_top_k=64)
     assert set(block.token_ids.flatten().tolist()) <= vocab

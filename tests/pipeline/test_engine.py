@@ -193,7 +193,7 @@ def test_prompt_lookup_finds_most_recent_continuation():
 
 def test_model_drafter_evicts_least_recent_request_when_slots_run_out(tiny_models):
     """More live requests than drafter slots: an evicted request is re-fed, and its drafts do not change."""
-    from pipeline.drafters import DraftRequest
+    from pipeline.drafters import ProposeRow
     from pipeline.sampling import SamplingTensors
 
     small, big = load_model(tiny_models["draft"])[0], load_model(tiny_models["draft"])[0]
@@ -205,7 +205,7 @@ def test_model_drafter_evicts_least_recent_request_when_slots_run_out(tiny_model
     contexts = {"a": PROMPTS[0], "b": PROMPTS[1], "c": PROMPTS[2]}
     for rid in ["a", "b", "a", "c", "b", "a"]:
         contexts[rid] = list(contexts[rid]) + [7]
-        row = [DraftRequest(rid, contexts[rid], 3)]
+        row = [ProposeRow(rid, contexts[rid], 3)]
         got = one.propose(row, 3, sampling, steps, 8).token_ids
         want = three.propose(row, 3, sampling, steps, 8).token_ids
         assert torch.equal(got, want), rid
@@ -286,7 +286,7 @@ def test_hybrid_drafter_uses_both_sources_and_keeps_outputs_exact(tiny_models):
 def test_hybrid_block_ships_the_distribution_each_row_was_drawn_from(tiny_models):
     """A lookup row's support is a point mass at each token; a model row's is exactly what the draft model alone
     proposes for it (same tokens, same sparse distribution: its randomness is keyed by the row, not the batch)."""
-    from pipeline.drafters import DraftRequest, HybridDrafter
+    from pipeline.drafters import HybridDrafter, ProposeRow
     from pipeline.rejection import _dense_draft_probs
     from pipeline.sampling import SamplingTensors
 
@@ -295,7 +295,7 @@ def test_hybrid_block_ships_the_distribution_each_row_was_drawn_from(tiny_models
     hybrid = HybridDrafter(ModelDrafter(draft_model))
     alone = ModelDrafter(load_model(tiny_models["draft"])[0])
     alone.model.allocate(4, 64)
-    rows = [DraftRequest("r", [5, 6, 7, 8, 5, 6, 7], 3), DraftRequest("f", [11, 23, 42, 7, 99], 3)]
+    rows = [ProposeRow("r", [5, 6, 7, 8, 5, 6, 7], 3), ProposeRow("f", [11, 23, 42, 7, 99], 3)]
     params = [SamplingParams(temperature=0.8, seed=s) for s in (1, 2)]
     sampling, steps = SamplingTensors.from_params(params), torch.tensor([4, 9])
     block = hybrid.propose(rows, 3, sampling, steps, 8)
@@ -316,10 +316,10 @@ def test_fp8_draft_weights_on_cpu_is_a_clear_error(tiny_models):
     drafter = ModelDrafter(load_model(tiny_models["draft"])[0])
     with pytest.raises(ValueError, match="needs the draft model on a CUDA device"):
         SpeculativeEngine(target, None, drafter, EngineConfig(max_batch_size=1, max_seq_len=64,
-                                                               extra={"draft_weights": "fp8"}))
-    with pytest.raises(ValueError, match="which extra\\['graphs'\\] turns off"):
+                                                               draft_weights="fp8"))
+    with pytest.raises(ValueError, match="which graphs=False turns off"):
         SpeculativeEngine(target, None, drafter, EngineConfig(max_batch_size=1, max_seq_len=64,
-                                                               extra={"draft_weights": "fp8", "graphs": False}))
+                                                               draft_weights="fp8", graphs=False))
 
 
 def test_warmup_without_graphs_captures_nothing_and_steps_are_counted_by_k(tiny_models):

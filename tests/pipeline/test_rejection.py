@@ -222,37 +222,6 @@ def test_top_p_keeps_smallest_prefix():
     assert warp(logits, s)[0, 0].tolist() == [1.0, 0.0, 0.0, 0.0]
 
 
-def test_row_uniforms_are_bit_identical_to_tensor_uniforms():
-    from pipeline.rng import uniform_row
-
-    for seed in (0, 1, 2**31 - 1, 2**32 + 5, 2**62 + 12345, 987654321987654321):
-        for step in (0, 1, 7, 2**31 + 3):
-            for stream in Stream:
-                want = uniform(torch.tensor([seed]), torch.tensor([step]), stream, 9)[0].tolist()
-                assert uniform_row(seed, step, stream, 9) == want
-
-
-def test_accept_row_matches_batched_accept():
-    import random
-
-    from pipeline.rejection import accept_row
-
-    rnd = random.Random(0)
-    for trial in range(300):
-        K = rnd.randint(0, 6)
-        draft = [rnd.randrange(100) for _ in range(K)]
-        probs = torch.tensor([rnd.choice([0.0, 1.0, rnd.random()]) for _ in range(K)], dtype=torch.float32)
-        targets = [rnd.randrange(100) for _ in range(K + 1)]
-        seed, step = rnd.randrange(2**62), rnd.randrange(1000)
-        ref = accept(
-            VerifyOutput(probs.view(1, K), torch.tensor([targets])),
-            DraftBlock(torch.tensor([draft], dtype=torch.int64).view(1, K), torch.tensor([K])),
-            torch.tensor([seed]), torch.tensor([step]),
-        )
-        n = int(ref.num_accepted[0])
-        assert accept_row(probs.tolist(), targets, draft, seed, step) == (n, ref.tokens[0, : n + 1].tolist()), trial
-
-
 def test_a_support_listing_an_id_twice_adds_up():
     """Sparse draft supports may repeat an id (padding at probability 0, or a point mass spread over copies):
     the dense draft distribution adds the entries of an id, so padding never changes it."""

@@ -14,6 +14,11 @@ from typing import Any, Iterator, Optional
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
+from pipeline.config import EngineConfig
+from pipeline.drafters import HybridDrafter, ModelDrafter
+from pipeline.engine import SpeculativeEngine
+from pipeline.models.loader import load_model
+
 _PORT: Optional[int] = None
 
 
@@ -26,7 +31,7 @@ def free_port() -> int:
 def ensure_serve() -> str:
     """Start Ray (2 CPUs, no dashboard) and Serve once; returns the HTTP base URL."""
     global _PORT
-    import ray
+    import ray  # ray where it is used (here and below): the module's other helpers stay light to import
     from ray import serve
 
     if _PORT is None:
@@ -99,12 +104,7 @@ def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.1) -> Any
 
 def tiny_engine(tiny_models: dict, max_batch_size: int, max_seq_len: int, hybrid: bool = False):
     """The in-process reference for the Serve tests: the tiny llama target with the tiny model drafter (behind
-    prompt lookup with `hybrid`, as the Serve app's drafter.method 'hybrid')."""
-    from pipeline.config import EngineConfig
-    from pipeline.drafters import HybridDrafter, ModelDrafter
-    from pipeline.engine import SpeculativeEngine
-    from pipeline.models.loader import load_model
-
+    prompt lookup with `hybrid`, as the Serve app's drafter.draft 'lookup+MODEL')."""
     target, _ = load_model(str(tiny_models["llama"]))
     draft, _ = load_model(str(tiny_models["draft"]))
     drafter = HybridDrafter(ModelDrafter(draft)) if hybrid else ModelDrafter(draft)

@@ -1,0 +1,104 @@
+"""The typed messages that cross the Ray hops: ingress -> coordinator -> drafter and target workers.
+
+Sampling fields are validated once, at the HTTP edge (`deployments.protocol` -> `SamplingParams`); the
+`SamplingParams` and `SpecParams` objects themselves travel on, and nobody downstream rebuilds them from dicts.
+A row's draft travels as `pipeline.step.Draft` (a drafter worker's answer, inside a `VerifyCall`), a target pass's
+outcome per row as `pipeline.step.Verdict` (a target worker's answer).
+Redis keeps JSON: `spec_to_json` / `spec_from_json` are its one conversion of the speculation settings (a request's
+state goes through `RequestState.to_dict` / `from_dict`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+from pipeline.config import SamplingParams, SpecParams
+from pipeline.step import Draft
+
+PREFILL_CHUNK = 256  # prompt tokens one request prefills per target pass (deployments.target_replica)
+
+
+@dataclass
+class GenerateRequest:
+    """A new request, from the ingress to a coordinator."""
+
+    request_id: str
+    kind: str  # "completion" | "chat"
+    model: str  # the served model name (stored for resumed streams)
+    created: int  # unix seconds
+    prompt_ids: list[int]
+    params: SamplingParams  # validated, seed fixed
+    spec: SpecParams
+    trace: Optional[dict] = None  # W3C context of the ingress span (deployments.tracing)
+
+
+@dataclass
+class ProposeCall:
+    """A coordinator asking a drafter worker for one request's drafts (the worker mirrors the context)."""
+
+    request_id: str
+    base: int  # context length the worker already mirrors for this request
+    new: list[int]  # context[base:]
+    num_draft: int  # tokens wanted (may exceed K by one: the guess of the bonus token, for overlap)
+    params: SamplingParams  # seed fixed
+    step: int  # the target pass these drafts are for (randomness key)
+    draft_top_k: int
+
+
+@dataclass
+class VerifyCall:
+    """One request's part of a target pass: what crosses the network is ids and sparse probabilities."""
+
+    request_id: str
+    start: int  # absolute position of the pending token
+    pending: int  # the last committed token (not yet in the target's cache)
+    draft: Draft
+    params: SamplingParams  # seed fixed
+    step: int  # the request's target-pass counter (randomness key)
+    prefix: Optional[list[int]] = None  # committed tokens [0, start) when the cache may lack them
+
+    @property
+    def cost(self) -> int:
+        """Tokens this call feeds (StepBatcher bounds prefills per pass with it)."""
+        return 1 + len(self.draft.tokens) + (min(len(self.prefix), PREFILL_CHUNK) if self.prefix else 0)
+
+
+@dataclass
+class StepEvent:
+    """One step of a request, from a coordinator to the ingress (and, as JSON, into Redis for resumed streams)."""
+
+    i: int  # the step's index (the request's target pass): dedup and resume key
+    ids: list[int]  # token ids committed by the step
+    text: str  # text now safe to stream (stop strings held back)
+    finish: Optional[str]  # "stop" | "length" on the last step
+    usage: Optional[dict[str, int]] = None  # on the last step: prompt_tokens, completion_tokens
+    speculation: Optional[dict[str, Any]] = None  # on the last step: the request's speculation statistics
+
+    def to_json(self) -> dict[str, Any]:
+        d = {"i": self.i, "ids": self.ids, "text": self.text, "finish": self.finish}
+        if self.usage is not None:
+            d["usage"] = self.usage
+        if self.speculation is not None:
+            d["speculation"] = self.speculation
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "StepEvent":
+        return cls(d["i"], d["ids"], d["text"], d.get("finish"), d.get("usage"), d.get("speculation"))
+
+
+@dataclass
+class ErrorEvent:
+    """A request's error, streamed as data (the ingress tells it from a lost coordinator)."""
+
+    error: dict[str, Any]  # the OpenAI error body's "error": message, type, param, code
+    status: int  # HTTP status
+
+
+def spec_to_json(spec: SpecParams) -> dict[str, Any]:
+    return asdict(spec)
+
+
+def spec_from_json(d: dict[str, Any]) -> SpecParams:
+    return SpecParams(**d)
