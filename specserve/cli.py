@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
+
+from deployments.ray_env import apply_ray_defaults
 
 SUBCOMMANDS = ("generate", "serve", "bench", "distill", "load")  # specserve/cmd_<name>.py
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, ConnectionError, TimeoutError)
@@ -36,8 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    apply_ray_defaults()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

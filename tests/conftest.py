@@ -7,8 +7,9 @@ import os
 import pytest
 import torch
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+from deployments.ray_env import apply_ray_defaults
+
+apply_ray_defaults()
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -14,9 +13,10 @@ import pytest
 import yaml
 
 from deployments import cluster_config as cc
+from deployments.ray_env import apply_ray_defaults
 from tests.support import ROOT
 
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+apply_ray_defaults()
 
 
 def _fake_model(folder: Path, heads: int = 32, kv_heads: int = 8) -> None:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import yaml
 
+from deployments.ray_env import RAY_DEFAULTS, ray_environment
 from tests.support import ROOT
 
 MARK_ENV = "SPECSERVE_TEST_CLUSTER"
@@ -158,9 +159,10 @@ class LocalCluster:
             f'if [ "$1" = stop ]; then exec {sys.executable} {self.bin / "stop_cluster.py"} {self.id}; fi\n'
             f'exec {real_ray} "$@"\n')
         shim.chmod(0o755)
+        ray_vars = " ".join(f"{k}={v}" for k, v in RAY_DEFAULTS.items())
         with open(HOME / ".bashrc", "a") as f:
             f.write(f"# >>> {self._marker} >>>\n"
-                    f"export PATH={self.bin}:{venv_bin}:$PATH RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0\n"
+                    f"export PATH={self.bin}:{venv_bin}:$PATH {ray_vars}\n"
                     f"# <<< {self._marker} <<<\n")
 
         if not port_open(22):
@@ -222,7 +224,7 @@ class LocalCluster:
 
     # -- ray CLI ------------------------------------------------------------------------------------------
     def env(self) -> dict[str, str]:
-        return {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+        return {**ray_environment(),
                 "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
 
     def ray(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
