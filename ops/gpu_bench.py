@@ -1,8 +1,8 @@
 """GPU benchmark of the decode path (issue 5), one command on the GPU machine, a table at the end.
 
-    python3 ops/gpu_bench.py --part steps --out $OUT          # step latencies, floors, HF baselines
-    python3 ops/gpu_bench.py --part steps --attention triton,sdpa --out $OUT   # ours with each attention
-    python3 ops/gpu_bench.py --part demo --gguf F.gguf --out $OUT   # the demo pair end to end
+    python -m ops.gpu_bench --part steps --out $OUT          # step latencies, floors, HF baselines
+    python -m ops.gpu_bench --part steps --attention triton,sdpa --out $OUT   # ours with each attention
+    python -m ops.gpu_bench --part demo --gguf F.gguf --out $OUT   # the demo pair end to end
     specserve bench --gpu [same flags]                          # the same, through the CLI
 
 steps: the bandwidth floor measured on this card (a large device-to-device copy: bytes read + written over
@@ -42,7 +42,6 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.models.graphs import GraphCausalLM, GraphConfig  # noqa: E402
 from pipeline.models.kernel_timing import copy_GBps  # noqa: E402
@@ -320,7 +319,7 @@ def hf_compiled_subprocess(args, shape: str, how: str, timeout_s: float) -> tupl
     import subprocess
 
     out = Path("/tmp") / f"hfc_{shape}_{how}"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--part", "hf-compiled", "--hf-shape", shape, "--hf-how", how,
+    cmd = [sys.executable, "-m", "ops.gpu_bench", "--part", "hf-compiled", "--hf-shape", shape, "--hf-how", how,
            "--context", str(args.context), "-k", str(args.k), "--out", str(out)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout_s, 1))

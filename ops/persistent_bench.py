@@ -1,7 +1,7 @@
 """Would a persistent kernel remove the per-kernel cost of a batch-1 step's linears? One GPU (issues 5 and 6).
 
-    python3 ops/persistent_bench.py --out $OUT                # 1b and 8b shapes, 16 layers
-    python3 ops/persistent_bench.py --sets 1b --layers 16 --blocks-per-sm 2
+    python -m ops.persistent_bench --out $OUT                # 1b and 8b shapes, 16 layers
+    python -m ops.persistent_bench --sets 1b --layers 16 --blocks-per-sm 2
 
 A batch-1 step streams each weight matrix once, in one kernel per matrix, and every kernel pays a fixed cost (5.3
 us on an H100 with programmatic dependent launch, `ops/linear_chain_bench.py`) on top of its bytes. Folding the
@@ -49,14 +49,13 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.models import fused_linear as fl  # noqa: E402
 from pipeline.models import pdl  # noqa: E402
 from pipeline.models.fused_linear_triton import _prefetch_rows_l2, _trap  # noqa: E402
 from pipeline.models.kernel_timing import captured_ms, copy_GBps  # noqa: E402
 
-from linear_chain_bench import SETS  # noqa: E402
+from ops.linear_chain_bench import SETS  # noqa: E402
 
 M_PAD = 16  # rows of the tensor-core tile; row 0 is the vector, the rest zero
 
