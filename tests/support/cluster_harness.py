@@ -1,4 +1,4 @@
-"""Harness for launching ops/cluster-local.yaml with `ray up` in a test, on this machine, over SSH.
+"""Harness for launching ops/deploy/cluster-local.yaml with `ray up` in a test, on this machine, over SSH.
 
 What it sets up, and undoes afterwards:
 - a throwaway SSH key, authorized for root (a marked line in ~/.ssh/authorized_keys);
@@ -25,6 +25,7 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
 import yaml
 
 from deployments.ray_env import RAY_DEFAULTS, ray_environment
@@ -77,8 +78,6 @@ def port_open(port: int, host: str = "127.0.0.1") -> bool:
 
 def listeners(port: int) -> list[str]:
     """Who listens on `port` (pid, command line), for failure messages."""
-    import psutil
-
     out = []
     for conn in psutil.net_connections("tcp"):
         if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN:
@@ -92,8 +91,6 @@ def listeners(port: int) -> list[str]:
 
 def cluster_processes(mark: str) -> list[int]:
     """Live processes of the cluster: those with its mark in their environment, and their descendants."""
-    import psutil
-
     pids: set[int] = set()
     for p in psutil.process_iter():
         try:
@@ -106,8 +103,6 @@ def cluster_processes(mark: str) -> list[int]:
 
 
 def alive(pid: int) -> bool:
-    import psutil
-
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
@@ -120,7 +115,7 @@ def missing_tools() -> list[str]:
 
 
 class LocalCluster:
-    """Renders ops/cluster-local.yaml for this run and drives `ray up` / `ray down` on it."""
+    """Renders ops/deploy/cluster-local.yaml for this run and drives `ray up` / `ray down` on it."""
 
     def __init__(self, tmp: Path):
         self.tmp = tmp
@@ -185,8 +180,8 @@ class LocalCluster:
         self.render()
 
     def render(self) -> None:
-        """Write ops/cluster-local.yaml with this run's key, paths, ports, marker and name."""
-        text = (ROOT / "ops" / "cluster-local.yaml").read_text()
+        """Write ops/deploy/cluster-local.yaml with this run's key, paths, ports, marker and name."""
+        text = (ROOT / "ops" / "deploy" / "cluster-local.yaml").read_text()
         text = (text.replace("~/.ssh/id_ed25519", str(self.key))
                 .replace("~/specserve-local", str(self.node_dir))
                 .replace("$HOME/specserve-local", str(self.node_dir))
