@@ -8,7 +8,7 @@ this machine's CPU with the demo pair, print the URL, serve until Ctrl-C, then s
 For a cluster, use Ray Serve's own CLI with a config file: `serve run ops/deploy/serve-demo.yaml`
 or `serve deploy ops/deploy/serve-cluster.yaml` (import_path deployments.app:app_builder).
 
-Ray, Serve, pydantic and torch are imported inside the functions, not at the top: `specserve --help` does not
+Ray, Serve, PyYAML, pydantic and torch are imported inside the functions, not at the top: `specserve --help` does not
 need them.
 """
 
