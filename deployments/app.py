@@ -8,7 +8,7 @@ Plain classes become deployments here, with options from the pure `deployment_op
     Coordinator <- Ingress (HTTP, FastAPI)
 
 `serve run deployments.app:app_builder` / a Serve config file with `import_path: deployments.app:app_builder`
-and `args:` (the fields of AppConfig) use `app_builder`; see deployments/serve_config.yaml.
+and `args:` (the fields of AppConfig) use `app_builder`; see ops/deploy/serve-demo.yaml.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Offline validation of a `ray up` cluster config together with a `serve deploy` config.
 
-    python -m deployments.cluster_config cluster.yaml ops/serve.yaml
+    python -m deployments.cluster_config cluster.yaml ops/deploy/serve-cluster.yaml
 
 Ray's own checks first (the autoscaler's `prepare_config` + `validate_config`, Serve's `ServeDeploySchema`),
 then the app's `AppConfig` from each specserve application's `args`, then what only the two files together

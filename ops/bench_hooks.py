@@ -1,18 +1,20 @@
 """Cost of the ops hooks per step: tracing off/on, metrics recording (prometheus_client and Ray backends).
 
-    python ops/bench_hooks.py        # prints a JSON table of microseconds per call (starts a local Ray)
+    python -m ops.bench_hooks        # prints a JSON table of microseconds per call (starts a local Ray)
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+import ray
+from prometheus_client import CollectorRegistry
+
+from deployments import metrics, tracing
+from deployments.ray_env import apply_ray_defaults
+from specserve.otlp_receiver import OTLPReceiver
 
 
 def per_call_us(fn, n: int) -> float:
@@ -24,9 +26,7 @@ def per_call_us(fn, n: int) -> float:
 
 
 def main() -> None:
-    from deployments import metrics, tracing
-    from ops.otlp_receiver import OTLPReceiver
-
+    apply_ray_defaults()
     out: dict[str, float] = {}
     os.environ.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
     tracing.disable()
@@ -46,21 +46,15 @@ def main() -> None:
         tracing.disable()
         del os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"]
 
-    from prometheus_client import CollectorRegistry
-
     metrics.use_registry(CollectorRegistry())
     out["prometheus_client: record_step B=1 K=4"] = per_call_us(lambda: metrics.record_step([4], [2], 0.01), 20000)
     metrics.use_registry(None)
-
-    import ray
 
     ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="ERROR")
 
     @ray.remote(num_cpus=0)
     def in_ray() -> dict[str, float]:
-        from deployments import metrics
-
-        metrics.reset()
+        metrics.reset()  # the worker's own copy of the module
         res = {
             "Ray: record_step B=1 K=4": per_call_us(lambda: metrics.record_step([4], [2], 0.01), 5000),
             "Ray: record_step B=8 K=4": per_call_us(

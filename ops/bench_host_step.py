@@ -1,22 +1,23 @@
 """Host work a drafting step pays per row, growing with the context: reading the row's context, and a draft
 model's catch-up (the common prefix of what it fed and what was committed).
 
-    python ops/bench_host_step.py            # 2,000-token contexts, microseconds per row
-    python ops/bench_host_step.py --tokens 512
+    python -m ops.bench_host_step            # 2,000-token contexts, microseconds per row
+    python -m ops.bench_host_step --tokens 512
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from ops.bench_hooks import per_call_us
+from pipeline.drafters import _as_list, _common_prefix
+from pipeline.sequence import TokenView
 
 
 def element_loop(a: list[int], b: list[int]) -> int:
-    """The common prefix as the draft model computed it before (one comparison a token, in Python)."""
+    """The common prefix computed one comparison a token, in Python (the baseline for `_common_prefix`)."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
@@ -25,10 +26,6 @@ def element_loop(a: list[int], b: list[int]) -> int:
 
 
 def main() -> int:
-    from ops.bench_hooks import per_call_us
-    from pipeline.drafters import _as_list, _common_prefix
-    from pipeline.sequence import TokenView
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=2000, help="context length (prompt + output)")
     p.add_argument("--calls", type=int, default=2000)

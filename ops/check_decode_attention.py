@@ -1,7 +1,7 @@
 """GPU check of the graph path's slot attention: the Triton split-KV kernel against the SDPA reference,
 correctness and speed, one table.
 
-    python3 ops/check_decode_attention.py [--out $OUT] [--quick]
+    python -m ops.check_decode_attention [--out $OUT] [--quick]
 
 Per case (dtype, head_dim D, G query heads per KV head, T fed tokens, B rows, context, window): a cache of B+1
 slots (the last one the scratch slot) with random contents, rows in shuffled slot order at ragged positions (the
@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.models import decode_attention as da  # noqa: E402
 

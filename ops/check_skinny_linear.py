@@ -1,8 +1,8 @@
 """GPU check of the graph path's few-row linears: the split-K Triton kernel against F.linear
 (cuBLAS), correctness and speed per weight shape, one table.
 
-    python3 ops/check_skinny_linear.py [--out $OUT] [--rows 1,5,16] [--sets 8b,1b,8b-tp2,8b-tp4,70b-tp4]
-    python3 ops/check_skinny_linear.py --sets demo --dtype float32 --rows 1,32,160   # the float32 demo target
+    python -m ops.check_skinny_linear [--out $OUT] [--rows 1,5,16] [--sets 8b,1b,8b-tp2,8b-tp4,70b-tp4]
+    python -m ops.check_skinny_linear --sets demo --dtype float32 --rows 1,32,160   # the float32 demo target
 
 Per weight matrix of the model shapes (random, bf16 unless --dtype) and row count M: `skinny_linear.tune` times F.linear and
 every candidate configuration of the kernel as a captured chain of launches over copies of the weight (in a
@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.models import skinny_linear as sl  # noqa: E402
 from pipeline.models.kernel_timing import copy_GBps  # noqa: E402

@@ -1,9 +1,8 @@
 """GPU benchmark of the decode path, one command on the GPU machine, a table at the end.
 
-    python3 ops/gpu_bench.py --part steps --out $OUT          # step latencies, floors, HF baselines
-    python3 ops/gpu_bench.py --part steps --attention triton,sdpa --out $OUT   # ours with each attention
-    python3 ops/gpu_bench.py --part demo --gguf F.gguf --out $OUT   # the demo pair end to end
-    specserve bench --gpu [same flags]                          # the same, through the CLI
+    python -m ops.gpu_bench --part steps --out $OUT          # step latencies, floors, HF baselines
+    python -m ops.gpu_bench --part steps --attention triton,sdpa --out $OUT   # ours with each attention
+    python -m ops.gpu_bench --part demo --gguf F.gguf --out $OUT   # the demo pair end to end
 
 steps: the bandwidth floor measured on this card (a large device-to-device copy: bytes read + written over
 time); then per model shape (random bf16 weights) and batch B, the latency of one step feeding T = 1 and
@@ -21,7 +20,7 @@ calls on the tensor cores only (`GraphConfig.gemv=False`), fused-fp8 = the fused
 copies, a drafter's option, checked against the first variant's bf16 8B step): one table row, one profile and
 one set of checks per variant (checks of a variant past the first are suffixed).
 demo: the demo target and the default drafter (prompt lookup) end to end, greedy: this engine vs HF generate
-vs HF assisted generation with the same drafter (`specserve.bench.run_bench`); then 32 concurrent requests
+vs HF assisted generation with the same drafter (`specserve.spec_bench.run_bench`); then 32 concurrent requests
 with speculation off, on at fixed K and on with the adaptive K policy: aggregate tokens/s.
 
 Every number is a median over timed repeats with CUDA events, after warm-up (capture, compilation).
@@ -42,7 +41,6 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.models.graphs import GraphCausalLM, GraphConfig  # noqa: E402
 from pipeline.models.kernel_timing import copy_GBps  # noqa: E402
@@ -309,7 +307,7 @@ def hf_compiled_subprocess(args, shape: str, how: str, timeout_s: float) -> tupl
     import subprocess
 
     out = Path("/tmp") / f"hfc_{shape}_{how}"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--part", "hf-compiled", "--hf-shape", shape, "--hf-how", how,
+    cmd = [sys.executable, "-m", "ops.gpu_bench", "--part", "hf-compiled", "--hf-shape", shape, "--hf-how", how,
            "--context", str(args.context), "-k", str(args.k), "--out", str(out)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(timeout_s, 1))
@@ -533,7 +531,8 @@ def steps_table(result: dict) -> str:
 
 def run_demo(args, result: dict, save: Callable[[], None]) -> None:
     from pipeline.models.store import convert_gguf
-    from specserve.bench import load_prompts, markdown_table, run_bench
+    from specserve.prompts import load_prompts
+    from specserve.spec_bench import markdown_table, run_bench
 
     os.environ.setdefault("SPECSERVE_CACHE", "/tmp/specserve-cache")
     folder = convert_gguf(Path(args.gguf))
@@ -564,7 +563,7 @@ def run_concurrent(folder: str, args) -> dict:
     from pipeline.drafters import PromptLookupDrafter
     from pipeline.engine import SpeculativeEngine
     from pipeline.models.loader import load_model
-    from specserve.bench import load_prompts
+    from specserve.prompts import load_prompts
 
     n = args.concurrent
     model, tok = load_model(folder, device=args.device, dtype=args.demo_dtype)
@@ -703,7 +702,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-s", type=float, default=480.0, help="skip optional HF compiled runs past this")
     p.add_argument("--gguf", default=None,
                    help="the demo target's GGUF file (demo part), or its converted folder (concurrent part)")
-    p.add_argument("--prompts", default=None, help="Spec-Bench jsonl (default: specserve.bench's)")
+    p.add_argument("--prompts", default=None, help="Spec-Bench jsonl (default: the shipped Spec-Bench dev set)")
     p.add_argument("--per-category", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--concurrent", type=int, default=32)
@@ -725,9 +724,9 @@ def run(args: argparse.Namespace) -> int:
         print("gpu_bench: no CUDA device", file=sys.stderr)
         return 2
     if args.prompts is None:
-        from specserve.bench import DEFAULT_PROMPTS
+        from specserve.prompts import SPEC_BENCH_DEV
 
-        args.prompts = str(DEFAULT_PROMPTS)
+        args.prompts = str(SPEC_BENCH_DEV)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {

@@ -1,9 +1,9 @@
 """Where the fused decoder layer's linears lose time against the bandwidth floor, one GPU.
 
-    python3 ops/linear_chain_bench.py --out $OUT                      # 8b, 1b, 8b-tp2 per-rank shapes, M = 1, 5
-    python3 ops/linear_chain_bench.py --sets 1b --rows 1 --variants late,nonorm
-    python3 ops/linear_chain_bench.py --sets 8b-tp2 --configs        # also every candidate configuration
-    python3 ops/linear_chain_bench.py --sets 1b,8b --rows 1 --weights bf16,fp8 --gemv off   # tensor cores only
+    python -m ops.linear_chain_bench --out $OUT                      # 8b, 1b, 8b-tp2 per-rank shapes, M = 1, 5
+    python -m ops.linear_chain_bench --sets 1b --rows 1 --variants late,nonorm
+    python -m ops.linear_chain_bench --sets 8b-tp2 --configs        # also every candidate configuration
+    python -m ops.linear_chain_bench --sets 1b,8b --rows 1 --weights bf16,fp8 --gemv off   # tensor cores only
 
 A batch-1 step is a chain of small kernels; each pays its bytes over bandwidth plus a fixed cost (launch, the
 first loads in flight, the last wave's tail). This script times the chain without attention or RoPE, so the
@@ -39,7 +39,6 @@ from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.models import fused_linear as fl  # noqa: E402
 from pipeline.models import pdl  # noqa: E402

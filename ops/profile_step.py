@@ -1,6 +1,6 @@
 """Where one engine step's time goes, phase by phase, at a batch size and a K (host overhead included).
 
-    python ops/profile_step.py --shape smollm2-135m --dtype float32 --batch 32 --ks 0,1,2,4
+    python -m ops.profile_step --shape smollm2-135m --dtype float32 --batch 32 --ks 0,1,2,4
 
 A random-weight target of a named shape (`pipeline.models.shapes`; values do not change a step's cost) runs
 `SpeculativeEngine.step` at a fixed K (K = 0: no drafter), `--steps` timed steps after a warm-up. The drafter
@@ -31,7 +31,6 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PHASES = ("sampling", "propose", "target", "verify", "accept")
 

@@ -1,15 +1,15 @@
 """Tensor-parallel decode-step benchmark: one command on a multi-GPU machine, a table at the end.
 
-    python3 ops/tp_bench.py --out $OUT                        # 4 GPUs: 8B at TP=1,2,4 and 70B at TP=4
-    python3 ops/tp_bench.py --out $OUT --sizes 1,2            # 2 GPUs: 8B at TP=1,2 (70B needs 4 cards)
+    python -m ops.tp_bench --out $OUT                        # 4 GPUs: 8B at TP=1,2,4 and 70B at TP=4
+    python -m ops.tp_bench --out $OUT --sizes 1,2            # 2 GPUs: 8B at TP=1,2 (70B needs 4 cards)
     torchrun --nproc_per_node 4 ops/tp_bench.py --out $OUT    # one size per launch (the table reads every
                                                               # result already in --out, so TP=1 can come first)
-    python3 ops/tp_bench.py --device cpu --shapes tiny --sizes 1,2 --out /tmp/tpb   # smoke test (gloo)
+    python -m ops.tp_bench --device cpu --shapes tiny --sizes 1,2 --out /tmp/tpb   # smoke test (gloo)
 
 Where one command may run at most 10 minutes, split it and keep the results in one folder that outlives the
 command (the table reads every result in --out):
-    python3 ops/tp_bench.py --out /tmp/tpb --shapes llama-8b && cp /tmp/tpb/* $OUT
-    python3 ops/tp_bench.py --out /tmp/tpb --shapes llama-70b --sizes 4 && cp /tmp/tpb/* $OUT
+    python -m ops.tp_bench --out /tmp/tpb --shapes llama-8b && cp /tmp/tpb/* $OUT
+    python -m ops.tp_bench --out /tmp/tpb --shapes llama-70b --sizes 4 && cp /tmp/tpb/* $OUT
 `--no-compile` starts faster (graphs still captured); `--batches 1,8` adds batch 8.
 
 Per shape (random bf16 weights; `llama-8b` = Llama-3-8B, `llama-70b` = Llama-3-70B) and per size N, N ranks
@@ -55,7 +55,6 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.models.base import ModelInfo  # noqa: E402
 from pipeline.models.kernel_timing import copy_GBps  # noqa: E402

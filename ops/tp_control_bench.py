@@ -2,7 +2,7 @@
 (`pipeline.models.tp_control`): the part of a driven step (`TensorParallelRunner`) that the SPMD step of
 `ops/tp_bench.py` does not pay. CPU only: no GPU, no model.
 
-    python3 ops/tp_control_bench.py --ranks 2,4 --kinds socket:0,socket:20,gloo
+    python -m ops.tp_control_bench --ranks 2,4 --kinds socket:0,socket:20,gloo
 
 N processes (spawned, one gloo group) open each channel as a serving replica does (a GPU group's socket
 channel polls for up to 20 ms before it blocks: `socket:20`). Rank 0 then sends a
@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.models.tp_control import open_control, parse_control  # noqa: E402
 

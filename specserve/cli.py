@@ -1,4 +1,6 @@
-"""`specserve` entry point: subcommands live in specserve/cmd_*.py, each exposing `register(subparsers)`.
+"""`specserve` entry point: each subcommand lives in a specserve/cmd_*.py module that exposes
+`register(subparsers)` and keeps its heavy imports (torch, Ray) inside its handler, so that `specserve --help`
+stays fast.
 
 Every handler returns an exit code. Bad input ends with one clear line on stderr and a non-zero exit,
 never a traceback.
@@ -7,11 +9,20 @@ never a traceback.
 from __future__ import annotations
 
 import argparse
-import importlib
-import os
 import sys
 
-SUBCOMMANDS = ("generate", "serve", "bench", "distill", "load")  # specserve/cmd_<name>.py
+from deployments.ray_env import apply_ray_defaults
+from specserve import (
+    cmd_bench,
+    cmd_bench_serve,
+    cmd_distill,
+    cmd_generate,
+    cmd_load,
+    cmd_otlp_receiver,
+    cmd_serve,
+)
+
+SUBCOMMANDS = (cmd_generate, cmd_serve, cmd_bench, cmd_bench_serve, cmd_distill, cmd_load, cmd_otlp_receiver)
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, ConnectionError, TimeoutError)
 
 
@@ -24,20 +35,13 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="specserve", description="Exact speculative decoding, served on Ray.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for name in SUBCOMMANDS:
-        try:
-            module = importlib.import_module(f"specserve.cmd_{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"specserve.cmd_{name}":
-                raise
-            continue
-        module.register(sub)
+    for command in SUBCOMMANDS:
+        command.register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    apply_ray_defaults()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

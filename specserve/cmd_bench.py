@@ -1,4 +1,9 @@
-"""`specserve bench`: Spec-Bench prompts through this engine and Hugging Face, side by side (greedy)."""
+"""`specserve bench`: Spec-Bench prompts through this engine and Hugging Face, side by side (greedy); see
+specserve/spec_bench.py. The prompts default to the Spec-Bench dev set shipped with specserve.
+
+The GPU step and kernel benchmarks are developer scripts, run from a checkout of the repository:
+`python -m ops.gpu_bench --help` (and the other ops/*_bench.py).
+"""
 
 from __future__ import annotations
 
@@ -8,15 +13,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from specserve.prompts import SPEC_BENCH_DEV, load_prompts
+
 METHODS = "engine-target,engine-spec,hf-generate,hf-assisted"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from specserve.bench import DEFAULT_PROMPTS
-
     p.add_argument("--target", default=None, help="target model (default: the demo model)")
     p.add_argument("--draft", default="default", help="drafter: model folder, 'prompt-lookup', 'lookup+MODEL' or 'default'")
-    p.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="Spec-Bench jsonl (default: %(default)s)")
+    p.add_argument("--prompts", default=str(SPEC_BENCH_DEV),
+                   help="Spec-Bench jsonl (default: the shipped Spec-Bench dev set, %(default)s)")
     p.add_argument("--per-category", type=int, default=2, help="prompts per Spec-Bench category")
     p.add_argument("--methods", default=METHODS, help="comma-separated subset of %(default)s")
     p.add_argument("-k", "--num-draft-tokens", type=int, default=4)
@@ -33,19 +39,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("-o", "--out", default="bench-out", help="folder for bench.json, bench.md, bench.png")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--gpu", nargs=argparse.REMAINDER, default=None, metavar="ARGS",
-                   help="instead: the GPU step/demo benchmark (ops/gpu_bench.py) with ARGS (--help lists them)")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.gpu is not None:
-        return _gpu_bench(args.gpu)
     if args.num_draft_tokens < 1:
         raise ValueError(f"-k must be >= 1, got {args.num_draft_tokens}")
+    # Imported here, not at the top: torch and the models are not needed for `specserve --help`.
     import torch
 
     from pipeline.engine import default_draft
-    from specserve.bench import load_prompts, markdown_table, plot, run_bench
+    from specserve.spec_bench import markdown_table, plot, run_bench
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -68,17 +71,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _gpu_bench(argv: list[str]) -> int:
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "ops" / "gpu_bench.py"
-    spec = importlib.util.spec_from_file_location("gpu_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(argv)
-
-
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("bench", help="Spec-Bench throughput: engine vs Hugging Face", description=__doc__)
+    p = subparsers.add_parser("bench", help="Spec-Bench throughput: engine vs Hugging Face", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     p.set_defaults(func=run)

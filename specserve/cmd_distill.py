@@ -1,15 +1,19 @@
 """`specserve distill`: train a small drafter for a target by distillation on the target's own outputs.
 
-    specserve distill --target PATH --out DIR --prompts PROMPTS.jsonl [--eval-prompts spec_bench_dev.jsonl]
+    specserve distill --target PATH --out DIR --prompts PROMPTS.jsonl [--eval-prompts EVAL.jsonl]
 
 Writes a loadable drafter folder to DIR (HF format + draft_vocab.safetensors); re-running the same
 command resumes (data shards and the training checkpoint live in DIR/work). See pipeline/distill/.
+
+torch and pipeline/ are imported inside the functions, not at the top: `specserve --help` does not need them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+
+from specserve.prompts import SPEC_BENCH_DEV
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -23,10 +27,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="target model folder or .gguf (default: the demo target)")
     p.add_argument("--out", required=True, help="output folder (the drafter; work files under DIR/work)")
     p.add_argument("--prompts", default=None,
-                   help="training prompts: .jsonl(.gz) chats or .npz token ids (ops/distill/build_prompts.py); "
+                   help="training prompts: .jsonl(.gz) chats or .npz token ids (python -m ops.distill.build_prompts); "
                         "required unless the target has no tokenizer (then random-token prompts are used)")
     p.add_argument("--eval-prompts", default=None,
-                   help="evaluation prompts (e.g. ../shared/data/spec_bench_dev.jsonl): evaluated on, never trained on")
+                   help="evaluation prompts, evaluated on, never trained on (e.g. the Spec-Bench dev set shipped "
+                        f"as {SPEC_BENCH_DEV})")
     p.add_argument("--layers", type=_ints, default=(2,),
                    help="drafter depth; a list (e.g. 1,2,4) trains variants side by side and keeps the best")
     p.add_argument("--draft-vocab", type=int, default=8192, help="output vocabulary rows (0 = target's full vocabulary)")

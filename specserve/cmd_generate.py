@@ -1,4 +1,7 @@
-"""`specserve generate`: speculative decoding in this process, streaming text as it is accepted."""
+"""`specserve generate`: speculative decoding in this process, streaming text as it is accepted.
+
+torch and pipeline/ are imported inside `run`, not at the top: `specserve --help` does not need them.
+"""
 
 from __future__ import annotations
 

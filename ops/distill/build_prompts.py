@@ -1,6 +1,6 @@
 """Build distillation prompts from offline Debian text (see sources.py); never from the evaluation set.
 
-    python ops/distill/build_prompts.py --out .carry/distill/prompts.jsonl.gz --num 60000 --seed 0 \
+    python -m ops.distill.build_prompts --out .carry/distill/prompts.jsonl.gz --num 60000 --seed 0 \
         [--tokenizer TARGET_FOLDER --tokenized .carry/distill/prompts.npz]
 
 Each output line is {"category": str, "messages": [{"role": "user", "content": ...}, ...],
@@ -25,8 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import sources  # noqa: E402
+from ops.distill import sources
+from specserve.prompts import SPEC_BENCH_DEV
 
 # Category mix (fractions of prompts).
 MIX = {
@@ -348,9 +348,9 @@ class Builder:
 
 def tokenize(rows: list[dict], tokenizer_path: str, out: Path) -> None:
     """Render each chat with the target's template and store the token ids (.npz)."""
+    # Imported here: only --tokenizer needs transformers and torch; building the text prompts does not.
     from transformers import AutoTokenizer
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from pipeline.distill.prompts import prompt_from_row, save_prompts
 
     tok = AutoTokenizer.from_pretrained(tokenizer_path)
@@ -388,7 +388,9 @@ def main() -> None:
     ap.add_argument("--man-pages", type=int, default=600, help="how many man pages to render")
     ap.add_argument("--tokenizer", help="target model folder: also write token ids (--tokenized)")
     ap.add_argument("--tokenized", help="output .npz of token ids")
-    ap.add_argument("--check-eval", help="an evaluation .jsonl (Spec-Bench): fail if any turn shares an 8-gram")
+    ap.add_argument("--check-eval", default=str(SPEC_BENCH_DEV),
+                    help="an evaluation .jsonl (Spec-Bench): fail if any turn shares an 8-gram "
+                         "(default: the shipped Spec-Bench dev prompts, %(default)s)")
     args = ap.parse_args()
     b = Builder(args.seed, args.man_pages)
     cats = list(MIX)

@@ -1,6 +1,6 @@
 """Drafter cost per token relative to the target, measured with the engine's runners on this machine.
 
-    python ops/distill/cost.py --draft drafters/smollm2-135m-distill [--threads 2] [--context 256]
+    python -m ops.distill.cost --draft drafters/smollm2-135m-distill [--threads 2] [--context 256]
 
 Times one decoding forward (1 token at position `context`) of the target and of the drafter, and the
 target's verification forward over K+1 tokens, interleaved (target, drafter, target, ...) so that machine
@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import torch
+
+from pipeline.models.loader import load_model
 
 
 def main() -> None:
@@ -28,10 +28,7 @@ def main() -> None:
     ap.add_argument("-k", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=60)
     args = ap.parse_args()
-    import torch
-
     torch.set_num_threads(args.threads)
-    from pipeline.models.loader import load_model
 
     target, _ = load_model(args.target)
     draft, _ = load_model(args.draft)

@@ -1,7 +1,7 @@
 """The learning curve of the GPU runs: accepted tokens per target pass (K=4, greedy, teacher-forced) against
 answer tokens trained on, per drafter depth and data size. Reads ops/distill/runs/*/metrics.json.
 
-    python ops/distill/curve.py [--png ops/distill/runs/curve.png]
+    python -m ops.distill.curve [--png ops/distill/runs/curve.png]
 
 Run 3 continues run 2's drafter: its x axis is shifted by run 2's tokens. Run 4 is the clean retrain (from the
 target, decontaminated prompts, 11M answer tokens from the runner backend): the shipped drafter.

@@ -1,7 +1,7 @@
 """Acceptance of a drafter measured with the real engine on Spec-Bench prompts (both turns), on CPU.
 
-    python ops/distill/eval_engine.py --draft drafters/smollm2-135m-distill --temperature 0 \
-        --prompts ../shared/data/spec_bench_dev.jsonl --out out/eval_greedy.json
+    python -m ops.distill.eval_engine --draft drafters/smollm2-135m-distill --temperature 0 \
+        --out out/eval_greedy.json
 
 For each question: turn 1 through `SpeculativeEngine.stream` (K drafts per target pass), then, for
 two-turn questions, turn 2 asked after the engine's own answer. Per target pass the number of accepted
@@ -18,14 +18,19 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import torch
+
+from pipeline.config import EngineConfig, SamplingParams, SpecParams
+from pipeline.engine import SpeculativeEngine
+from specserve.prompts import SPEC_BENCH_DEV
+
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=None)
     ap.add_argument("--draft", required=True)
-    ap.add_argument("--prompts", default=str(Path(__file__).resolve().parents[3] / "shared/data/spec_bench_dev.jsonl"))
+    ap.add_argument("--prompts", default=str(SPEC_BENCH_DEV), help="Spec-Bench jsonl (default: the shipped dev set)")
     ap.add_argument("-k", type=int, default=4)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -36,11 +41,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
-    import torch
-
     torch.set_num_threads(args.threads)
-    from pipeline.config import EngineConfig, SamplingParams, SpecParams
-    from pipeline.engine import SpeculativeEngine
 
     engine = SpeculativeEngine.from_pretrained(args.target, draft=args.draft,
                                                config=EngineConfig(max_batch_size=1, max_seq_len=4096))

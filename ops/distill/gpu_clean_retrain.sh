@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Clean retrain of the shipped drafter on one GPU machine (issue 8): regenerate the data with the runner
+# Clean retrain of the shipped drafter on one GPU machine: regenerate the data with the runner
 # backend, train, evaluate on spec_bench_dev (evaluation only), pack the weights for the trip back.
 #
 # Prepare on the CPU machine first (sizes every call, splits the GGUF, writes the exact calls):
-#     python ops/distill/prep_device_run.py            # -> .carry/clean/call1..N, COMMANDS.txt
+#     python -m ops.distill.prep_device_run            # -> .carry/clean/call1..N, COMMANDS.txt
 # Then, on one warm device machine, each call right after the previous one returns:
 #     bash ops/distill/gpu_clean_retrain.sh stash 1     carry .carry/clean/call1   (+ a rehearsal, see below)
 #     bash ops/distill/gpu_clean_retrain.sh stash 2     carry .carry/clean/call2   ...
@@ -13,7 +13,7 @@
 #           Call 1 also rehearses (REHEARSE=0 skips it): a random-weight target of the demo's shape through
 #           the runner backend (static step checked against the eager runner, a throughput probe), which
 #           also fills torch.compile's cache for the main call.
-# concurrent: reassembles the GGUF as main does, then runs `ops/gpu_bench.py --part concurrent` for each of
+# concurrent: reassembles the GGUF as main does, then runs `python -m ops.gpu_bench --part concurrent` for each of
 #           CONC_TOKENS (default "128 512") answer lengths (extra arguments go to gpu_bench.py).
 # main:     reassembles and checks the GGUF, installs the carried gguf wheel, unpacks the prompts, and runs
 #           ops/distill/gpu_train.py within WALL_TOTAL seconds of this script's start (default 555), then
@@ -50,7 +50,7 @@ if [ "$MODE" = stash ]; then
     echo "stashed gguf.part$I ($(stat -c %s "$STASH/gguf.part$I") bytes, sha256 ok) in $STASH; $(ls "$STASH" | tr '\n' ' ')"
     nvidia-smi -L 2>/dev/null; df -h /tmp | tail -1
     if [ "$I" = 1 ] && [ "${REHEARSE:-1}" = 1 ] && [ -f "$CLEAN/call$I/target_config.json" ]; then
-        timeout -s INT "${REHEARSE_S:-100}" "$PY" ops/distill/gpu_rehearse.py --config "$CLEAN/call$I/target_config.json" \
+        timeout -s INT "${REHEARSE_S:-100}" "$PY" -m ops.distill.gpu_rehearse --config "$CLEAN/call$I/target_config.json" \
             --rows "${GEN_ROWS:-512}" --seconds "${PROBE_S:-30}" --folder "$STASH/rehearse_target" --out "$OUT" 2>&1 \
             | tee "$OUT/rehearsal.log"
     fi
@@ -88,10 +88,10 @@ else
         export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
     fi
 fi
-if [ "$MODE" = concurrent ]; then  # issue 5's 32-stream benchmark on the real demo target, per answer length
+if [ "$MODE" = concurrent ]; then  # the 32-stream benchmark on the real demo target, per answer length
     export SPECSERVE_CACHE=$STASH/cache
     for n in ${CONC_TOKENS:-128 512}; do
-        "$PY" ops/gpu_bench.py --part concurrent --gguf "$TARGET" --max-tokens "$n" --out "$OUT/c$n" "$@" 2>&1 \
+        "$PY" -m ops.gpu_bench --part concurrent --gguf "$TARGET" --max-tokens "$n" --out "$OUT/c$n" "$@" 2>&1 \
             | tee "$OUT/c$n.log" | tail -9
     done
     exit 0
@@ -108,7 +108,7 @@ cp "$LAST/manifest.json" "$OUT/manifest.json"
 export SPECSERVE_CACHE=$STASH/cache
 WALL=$(( ${WALL_TOTAL:-555} - $(elapsed) ))
 echo "starting gpu_train.py at $(elapsed) s, wall budget $WALL s"
-"$PY" ops/distill/gpu_train.py --pack-to "$OUT" --target "$TARGET" --out "$STASH/run" \
+"$PY" -m ops.distill.gpu_train --pack-to "$OUT" --target "$TARGET" --out "$STASH/run" \
     --prompts "$STASH/prompts.npz" --eval-prompts "$LAST/spec_bench_dev.npz" \
     --layers 2 --draft-vocab 8192 --max-new-tokens 256 --sample-fraction 0.3 --chunk-prompts 4096 \
     --gen-tokens 1000000000 --gen-rows "${GEN_ROWS:-512}" --train-seconds "${TRAIN_S:-200}" --lr 1e-3 \

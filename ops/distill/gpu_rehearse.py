@@ -1,6 +1,6 @@
-"""Rehearse the runner generation backend on the GPU before the main call (issue 8).
+"""Rehearse the runner generation backend on the GPU before the main call.
 
-    python3 ops/distill/gpu_rehearse.py --config TARGET_CONFIG.json --rows 512 --seconds 30 --out $OUT
+    python -m ops.distill.gpu_rehearse --config TARGET_CONFIG.json --rows 512 --seconds 30 --out $OUT
 
 A random-weight target of the demo's exact shape (bf16): the static decoding step (GraphCausalLM: CUDA graphs,
 torch.compile, the configured attention) is checked against the eager runner, then a throughput probe runs
@@ -14,20 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import numpy as np
+import torch
+import transformers
 
-import torch  # noqa: E402
+from pipeline.distill.fastgen import Job, RunnerGenerator
 
 
 def probe(gen, seconds: float, rows: int, max_new: int, seed: int = 0) -> dict:
-    import numpy as np
-
-    from pipeline.distill.fastgen import Job
-
     rng = np.random.default_rng(seed)
     vocab = 49152
     t0 = time.perf_counter()
@@ -62,10 +59,6 @@ def main() -> None:
     ap.add_argument("--folder", default="/tmp/ss/rehearse_target")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    import transformers
-
-    from pipeline.distill.fastgen import RunnerGenerator
-
     t_start = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

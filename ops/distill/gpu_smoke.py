@@ -1,6 +1,6 @@
 """Rehearsal on the GPU machine before the real run: a random-weight target of the demo's exact shape.
 
-    python3 ops/distill/gpu_smoke.py TARGET_CONFIG.json PROMPTS.npz EVAL.npz OUT_DIR
+    python -m ops.distill.gpu_smoke TARGET_CONFIG.json PROMPTS.npz EVAL.npz OUT_DIR
 
 1. generate() throughput at several batch shapes (ms per decoding step, tokens/s) -> sizes the real run;
 2. the whole `distill` pipeline on real prompt token ids (long RAG/summaries, follow-ups, Spec-Bench
@@ -14,19 +14,16 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import torch
+import transformers
 
-import torch  # noqa: E402
+from pipeline.distill.config import DistillConfig
+from pipeline.distill.generate import generate_answers
+from pipeline.distill.run import distill, summary_table
 
 
 def main() -> None:
     config_path, prompts, eval_prompts, out = sys.argv[1:5]
-    import transformers
-
-    from pipeline.distill.config import DistillConfig
-    from pipeline.distill.generate import generate_answers
-    from pipeline.distill.run import distill, summary_table
-
     print(f"torch {torch.__version__} transformers {transformers.__version__} {torch.cuda.get_device_name()}", flush=True)
     cfg_dict = json.loads(Path(config_path).read_text())
     cfg_dict.pop("transformers_version", None)

@@ -3,7 +3,7 @@ back (the device tool returns at most 8 files of 16 MiB from $OUT). `ops/distill
 runs it for the clean retrain (GGUF reassembly, prompts, the flags); `--wall-seconds` counts from this
 process's start.
 
-    python3 ops/distill/gpu_train.py --pack-to $OUT [specserve distill flags...]
+    python -m ops.distill.gpu_train --pack-to $OUT [specserve distill flags...]
 
 Writes to --pack-to: metrics.json, summary.txt, and drafter.tar.partNN (the exported drafter folder of
 the selected variant, plus further variants while the total stays under --pack-mb). Reassemble with
@@ -15,14 +15,12 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import sys
 import tarfile
 import time
+import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from specserve.cmd_distill import add_arguments, config_from_args  # noqa: E402
+from specserve.cmd_distill import add_arguments, config_from_args
 
 
 def pack(out: Path, dest: Path, pack_mb: float, part_mb: float = 15.0) -> list[str]:
@@ -64,6 +62,7 @@ def main() -> None:
     ap.add_argument("--pack-mb", type=float, default=50.0)
     args = ap.parse_args()
     t_process = time.perf_counter()
+    # Imported after t_process: their time counts against --wall-seconds.
     import torch
 
     from pipeline.distill.run import distill, summary_table
@@ -79,8 +78,6 @@ def main() -> None:
     try:
         metrics = distill(cfg)
     except BaseException:
-        import traceback
-
         (dest / "error.txt").write_text(traceback.format_exc())
         raise
     table = summary_table(metrics)

@@ -1,6 +1,6 @@
-"""Prepare the clean-retrain GPU run (issue 8): what each device call carries, checked against the size limit.
+"""Prepare the clean-retrain GPU run: what each device call carries, checked against the size limit.
 
-    python ops/distill/prep_device_run.py --prompts .carry/clean/prompts.npz --out .carry/clean
+    python -m ops.distill.prep_device_run --prompts .carry/clean/prompts.npz --out .carry/clean
 
 The device copies the working tree (tracked + untracked-not-ignored files) plus the paths a call names in
 `carry`, at most 64 MiB per call, and nothing else reaches it. The demo target's GGUF (98 MB) does not fit
@@ -15,9 +15,9 @@ Writes, under --out:
     COMMANDS.txt           the exact `run` calls, in order
 
 Prompts are built beforehand (never from the evaluation set; `--check-eval` refuses any shared 8-gram):
-    python ops/distill/build_prompts.py --out .carry/clean/prompts.jsonl.gz --num 150000 --seed 0 \\
+    python -m ops.distill.build_prompts --out .carry/clean/prompts.jsonl.gz --num 150000 --seed 0 \\
         --man-pages 800 --tokenizer $T --tokenized .carry/clean/prompts.npz \\
-        --check-eval ../shared/data/spec_bench_dev.jsonl
+        --check-eval specserve/data/spec_bench_dev.jsonl
 """
 
 from __future__ import annotations
@@ -33,8 +33,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
+from pipeline.models import store
+from specserve.prompts import SPEC_BENCH_DEV
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 LIMIT = 64 * 2**20  # the device's working-tree limit per call (tree + carried paths)
 
@@ -64,8 +68,6 @@ def tree_bytes(root: Path) -> int:
 
 def compress_prompts(src: Path, dest: Path) -> dict:
     """The prompts .npz, re-saved uncompressed and xz-compressed (token ids repeat: xz finds it, zip does not)."""
-    import numpy as np
-
     z = np.load(src)
     buf = io.BytesIO()
     np.savez(buf, **{k: z[k] for k in z.files})
@@ -82,7 +84,7 @@ def main() -> None:
     ap.add_argument("--prompts", default=".carry/clean/prompts.npz", help="tokenized training prompts (.npz)")
     ap.add_argument("--prompts-meta", default=None, help="the builder's .meta.json (default: beside --prompts)")
     ap.add_argument("--build-log", default=None, help="the builder's log (its --check-eval line is recorded)")
-    ap.add_argument("--eval", default=str(ROOT.parent / "shared" / "data" / "spec_bench_dev.jsonl"),
+    ap.add_argument("--eval", default=str(SPEC_BENCH_DEV),
                     help="evaluation prompts (tokenized here; evaluated on, never trained on)")
     ap.add_argument("--gguf", default=None, help="the demo target's GGUF (default: the model store's copy)")
     ap.add_argument("--wheel", default=None, help="the gguf wheel (not on the GPU image; default: .carry/gpu5w/gguf-*.whl)")
@@ -90,8 +92,6 @@ def main() -> None:
     ap.add_argument("--out", default=".carry/clean")
     ap.add_argument("--margin-mib", type=float, default=2.0, help="room left in every call for files added later")
     args = ap.parse_args()
-
-    from pipeline.models import store
 
     out = (ROOT / args.out).resolve() if not Path(args.out).is_absolute() else Path(args.out)
     for old in out.glob("call*"):
@@ -114,8 +114,8 @@ def main() -> None:
     log_path = Path(args.build_log) if args.build_log else prompts.with_name("build.log")
     if log_path.exists():
         pinfo["builder_log"] = log_path.read_text().strip().splitlines()
-    subprocess.run([sys.executable, str(ROOT / "ops" / "distill" / "tokenize_eval.py"), args.eval, str(target),
-                    str(extras / "spec_bench_dev.npz")], check=True)
+    subprocess.run([sys.executable, "-m", "ops.distill.tokenize_eval", args.eval, str(target),
+                    str(extras / "spec_bench_dev.npz")], cwd=ROOT, check=True)
     shutil.copy(wheel, extras / wheel.name)
     extra_bytes = sum(f.stat().st_size for f in extras.iterdir()) + 16384  # + manifest
 

@@ -1,15 +1,13 @@
 """Spec-Bench-style evaluation prompts -> token ids (.npz) for a run without a tokenizer (the GPU machine).
 
-    python ops/distill/tokenize_eval.py ../shared/data/spec_bench_dev.jsonl TARGET_FOLDER OUT.npz
+    python -m ops.distill.tokenize_eval specserve/data/spec_bench_dev.jsonl TARGET_FOLDER OUT.npz
 
 Turn 1 becomes the prompt and turn 2 the follow-up asked after the target's own answer. Evaluation only:
 these prompts are never trained on.
 """
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from transformers import AutoTokenizer  # noqa: E402
 

@@ -1,10 +1,9 @@
-"""cluster.yaml + ops/serve.yaml pass Ray's own validation and ours; bad configs fail naming the field."""
+"""cluster.yaml + ops/deploy/serve-cluster.yaml pass Ray's own validation and ours; bad configs fail naming the
+field."""
 
 from __future__ import annotations
 
-import copy
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -14,9 +13,11 @@ import pytest
 import yaml
 
 from deployments import cluster_config as cc
+from deployments.ray_env import apply_ray_defaults
 from tests.support import ROOT
 
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+apply_ray_defaults()
+SERVE_CLUSTER = ROOT / "ops" / "deploy" / "serve-cluster.yaml"  # the Serve config for cluster.yaml
 
 
 def _fake_model(folder: Path, heads: int = 32, kv_heads: int = 8) -> None:
@@ -30,8 +31,8 @@ def _fake_model(folder: Path, heads: int = 32, kv_heads: int = 8) -> None:
 def shipped(tmp_path):
     """The shipped files, copied verbatim next to a ./models folder like the one cluster.yaml mounts."""
     shutil.copy(ROOT / "cluster.yaml", tmp_path / "cluster.yaml")
-    (tmp_path / "ops").mkdir()
-    shutil.copy(ROOT / "ops" / "serve.yaml", tmp_path / "ops" / "serve.yaml")
+    (tmp_path / "ops" / "deploy").mkdir(parents=True)
+    shutil.copy(SERVE_CLUSTER, tmp_path / SERVE_CLUSTER.relative_to(ROOT))
     _fake_model(tmp_path / "models" / "target")
     _fake_model(tmp_path / "models" / "drafter", heads=8, kv_heads=8)
     return tmp_path
@@ -50,7 +51,7 @@ def _errors(tmp_path: Path, cluster: dict | None, serve: dict, **kw) -> list[str
 
 def _load(shipped: Path) -> tuple[dict, dict]:
     return (yaml.safe_load((shipped / "cluster.yaml").read_text()),
-            yaml.safe_load((shipped / "ops" / "serve.yaml").read_text()))
+            yaml.safe_load((shipped / SERVE_CLUSTER.relative_to(ROOT)).read_text()))
 
 
 def test_shipped_cluster_yaml_passes_rays_validation():
@@ -63,16 +64,16 @@ def test_shipped_cluster_yaml_passes_rays_validation():
 
 
 def test_shipped_pair_is_consistent(shipped):
-    assert cc.check(shipped / "ops" / "serve.yaml", shipped / "cluster.yaml") == []
+    assert cc.check(shipped / SERVE_CLUSTER.relative_to(ROOT), shipped / "cluster.yaml") == []
 
 
 def test_shipped_local_variant_passes(tmp_path):
-    """ops/cluster-local.yaml + ops/serve-local.yaml: what the ray-up test launches."""
-    local = yaml.safe_load((ROOT / "ops" / "cluster-local.yaml").read_text())
+    """ops/deploy/cluster-local.yaml + ops/deploy/serve-cluster-local.yaml: what the ray-up test launches."""
+    local = yaml.safe_load((ROOT / "ops" / "deploy" / "cluster-local.yaml").read_text())
     prepared = cc.validate_cluster(local)
     types = cc.node_types(prepared)
     assert types[cc.LOCAL_NODE_TYPE]["resources"]["specserve_head"] > 0
-    serve = yaml.safe_load((ROOT / "ops" / "serve-local.yaml").read_text())
+    serve = yaml.safe_load((ROOT / "ops" / "deploy" / "serve-cluster-local.yaml").read_text())
     assert _errors(tmp_path, local, serve, check_models=False) == []
 
 
@@ -174,8 +175,8 @@ def test_cli_reports_errors_and_exit_code(shipped):
     (shipped / "bad.yaml").write_text(yaml.safe_dump(cluster))
     run = lambda *a: subprocess.run([sys.executable, "-m", "deployments.cluster_config", *a], cwd=ROOT,
                                     capture_output=True, text=True, timeout=120)
-    bad = run(str(shipped / "bad.yaml"), str(shipped / "ops" / "serve.yaml"))
+    bad = run(str(shipped / "bad.yaml"), str(shipped / SERVE_CLUSTER.relative_to(ROOT)))
     assert bad.returncode == 1
     assert "error: applications[0].args.drafter.resources.accelerator_type: 'L4'" in bad.stderr
-    good = run(str(shipped / "cluster.yaml"), str(shipped / "ops" / "serve.yaml"))
+    good = run(str(shipped / "cluster.yaml"), str(shipped / SERVE_CLUSTER.relative_to(ROOT)))
     assert good.returncode == 0, good.stderr

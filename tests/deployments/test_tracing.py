@@ -1,8 +1,9 @@
 """deployments.tracing: off costs nothing; spans nest; context crosses a process boundary as a dict;
-OTLP export over HTTP and gRPC reaches a real receiver (ops.otlp_receiver decodes the protobufs)."""
+OTLP export over HTTP and gRPC reaches a real receiver (specserve.otlp_receiver decodes the protobufs)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -10,8 +11,11 @@ import textwrap
 import threading
 
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from deployments import tracing
+from specserve.otlp_receiver import OTLPReceiver
 from tests.support import ROOT
 
 ROOT = str(ROOT)
@@ -19,8 +23,6 @@ ROOT = str(ROOT)
 
 @pytest.fixture
 def memory_exporter():
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
     exporter = InMemorySpanExporter()
     assert tracing.configure(exporter, service_name="test", simple=True)
     yield exporter
@@ -96,8 +98,6 @@ def test_context_crosses_a_boundary_as_a_plain_dict(memory_exporter):
     assert spans["orphan"].parent is None
     # HTTP headers come in any case.
     ctx = tracing.extract({"TraceParent": carrier["traceparent"]})
-    from opentelemetry import trace
-
     assert trace.get_current_span(ctx).get_span_context().trace_id == parent.get_span_context().trace_id
 
 
@@ -113,8 +113,6 @@ def test_exception_marks_the_span_as_error(memory_exporter):
 @pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
 def test_otlp_export_from_the_environment_reaches_a_real_receiver(protocol):
     """A separate process configured only by OTEL_* variables exports to the receiver."""
-    from ops.otlp_receiver import OTLPReceiver
-
     with OTLPReceiver(grpc_port=0) as receiver:
         endpoint = (receiver.http_endpoint if protocol == "http/protobuf"
                     else f"http://127.0.0.1:{receiver.grpc_port}")
@@ -157,8 +155,6 @@ def test_start_span_outlives_its_caller_and_parents_remote_work(memory_exporter)
 
 
 def test_traced_decorator_wraps_async_calls(memory_exporter):
-    import asyncio
-
     @tracing.traced("redis.commit", **{"db.system": "redis"})
     async def commit(x):
         return x + 1

@@ -271,7 +271,7 @@ def _serve_args(*argv):
 def test_cli_overrides_the_config_file():
     from specserve.cmd_serve import load_config
 
-    c = load_config(_serve_args("--config", "deployments/serve_config.yaml", "--draft", "/m/d", "-k", "6",
+    c = load_config(_serve_args("--config", "ops/deploy/serve-demo.yaml", "--draft", "/m/d", "-k", "6",
                                 "--coordinators", "2", "--target-threads", "2", "--no-overlap"))
     assert c.drafter.draft == "/m/d" and c.drafter.model == "/m/d"
     assert c.speculation.num_draft_tokens == 6 and c.coordinator.num_replicas == 2
@@ -282,7 +282,7 @@ def test_cli_overrides_the_config_file():
     assert demo.drafter.draft == "lookup+smollm2-135m-distill" and demo.drafter.model == "smollm2-135m-distill"
     assert load_config(_serve_args("--target", "/m/other")).drafter.draft == "prompt-lookup"  # the target's default
     # a config file that names its drafter keeps it
-    assert load_config(_serve_args("--config", "deployments/serve_config.yaml")).drafter.draft == "prompt-lookup"
+    assert load_config(_serve_args("--config", "ops/deploy/serve-demo.yaml")).drafter.draft == "prompt-lookup"
 
 
 def test_serve_config_file_is_valid_and_builds_the_app():
@@ -292,7 +292,7 @@ def test_serve_config_file_is_valid_and_builds_the_app():
 
     from deployments.app import app_builder
 
-    raw = yaml.safe_load(open("deployments/serve_config.yaml"))
+    raw = yaml.safe_load(open("ops/deploy/serve-demo.yaml"))
     schema = ServeDeploySchema.model_validate(raw)
     app_cfg = schema.applications[0]
     assert app_cfg.import_path == "deployments.app:app_builder"

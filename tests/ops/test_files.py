@@ -1,18 +1,17 @@
-"""The observability files in ops/ fit together (no Docker here to run them; the ray-up test scrapes a
+"""The observability files in ops/deploy/ fit together (no Docker here to run them; the ray-up test scrapes a
 real cluster for every metric the dashboard uses)."""
 
 from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import yaml
 
 from deployments import metrics
 from tests.support import ROOT
 
-OPS = ROOT / "ops"
+OPS = ROOT / "ops" / "deploy"
 
 
 def test_compose_services_ports_and_mounted_files():
@@ -25,7 +24,7 @@ def test_compose_services_ports_and_mounted_files():
         for volume in services[name]["volumes"]:
             source = volume.split(":")[0]
             if source.startswith("./"):
-                assert (OPS / source).exists(), f"{name} mounts {source}, which is not in ops/"
+                assert (OPS / source).exists(), f"{name} mounts {source}, which is not in ops/deploy/"
 
 
 def test_prometheus_reads_rays_service_discovery_file():

@@ -1,5 +1,5 @@
-"""Production path, for real, on this machine: `ray up` of ops/cluster-local.yaml (local provider over SSH
-on 127.0.0.1), `serve deploy` of ops/serve-local.yaml onto it (tiny models, tracing to a real OTLP
+"""Production path, for real, on this machine: `ray up` of ops/deploy/cluster-local.yaml (local provider over SSH
+on 127.0.0.1), `serve deploy` of ops/deploy/serve-cluster-local.yaml onto it (tiny models, tracing to a real OTLP
 receiver), then, on that one deployment:
 - a streamed request succeeds;
 - it is one trace across processes (ingress -> coordinator -> drafter / target workers, Redis), with
@@ -24,7 +24,10 @@ from collections import Counter
 import httpx
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
+from specserve import loadgen
+from specserve.otlp_receiver import OTLPReceiver
 from tests.support.cluster_harness import (
     ROOT, LocalCluster, alive, cluster_processes, free_port, listeners, missing_tools, port_open,
 )
@@ -53,7 +56,7 @@ class Deployed:
 
 
 def _serve_config(d: Deployed, tiny_models: dict) -> str:
-    config = yaml.safe_load((ROOT / "ops" / "serve-local.yaml").read_text())
+    config = yaml.safe_load((ROOT / "ops" / "deploy" / "serve-cluster-local.yaml").read_text())
     config["http_options"]["port"] = d.http_port
     app = config["applications"][0]
     app["args"]["target"]["model"] = str(tiny_models["llama"])
@@ -90,8 +93,6 @@ def _wait_running(d: Deployed, timeout: float = 300) -> dict:
 
 @pytest.fixture(scope="module")
 def deployed(tmp_path_factory, tiny_models):
-    from ops.otlp_receiver import OTLPReceiver
-
     missing = missing_tools()
     if missing:
         message = f"ray up test needs {missing}: run ops/setup_ci_extras.sh"
@@ -152,7 +153,7 @@ CLIENT_SPAN = "00f067aa0ba902b7"
 def test_placement_on_the_head_resource(deployed):
     status = deployed.c.ray("status", "--address", f"127.0.0.1:{deployed.c.gcs_port}").stdout
     used = [line for line in status.splitlines() if "specserve_head" in line]
-    # Ingress + Coordinator + EmbeddedRedis claim one unit each (ops/serve-local.yaml).
+    # Ingress + Coordinator + EmbeddedRedis claim one unit each (ops/deploy/serve-cluster-local.yaml).
     assert used and used[0].strip().startswith("3.0/1000.0"), status
 
 
@@ -215,21 +216,17 @@ def test_one_trace_across_processes(deployed):
 
 
 def _dashboard_metric_names() -> set[str]:
-    dash = json.loads((ROOT / "ops" / "grafana" / "specserve.json").read_text())
+    dash = json.loads((ROOT / "ops" / "deploy" / "grafana" / "specserve.json").read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
     return {re.sub(r"_(bucket|sum|count)$", "", m) for e in exprs for m in re.findall(r"\bray_[a-z_]+", e)}
 
 
 def _samples(text: str, name: str) -> list[tuple[dict, float]]:
-    from prometheus_client.parser import text_string_to_metric_families
-
     return [(s.labels, s.value) for fam in text_string_to_metric_families(text) for s in fam.samples
             if s.name == name]
 
 
 def test_load_scales_up_metrics_agree_then_scales_down(deployed):
-    from specserve import load
-
     d = deployed
     assert d.replicas()["Target"] == 1
     peak: dict[str, int] = {}
@@ -248,13 +245,13 @@ def test_load_scales_up_metrics_agree_then_scales_down(deployed):
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    config = load.LoadConfig(url=d.url, model=d.model, concurrency=12, num_requests=400, duration_s=35,
+    config = loadgen.LoadConfig(url=d.url, model=d.model, concurrency=12, num_requests=400, duration_s=35,
                              max_tokens=96, ignore_eos=True, endpoint="completions", timeout_s=120)
     t = time.time()
     # Stop the load as soon as everything has scaled up (or the duration bound ends it).
     holder: dict = {}
     runner = threading.Thread(target=lambda: holder.update(
-        summary=load.run(config, [[1, 2, 3, 4, 5, 6, 7, 8]], d.c.tmp / "load", progress=False)), daemon=True)
+        summary=loadgen.run(config, [[1, 2, 3, 4, 5, 6, 7, 8]], d.c.tmp / "load", progress=False)), daemon=True)
     runner.start()
     stop.wait(60)
     deadline = time.time() + 30
@@ -292,7 +289,7 @@ def test_load_scales_up_metrics_agree_then_scales_down(deployed):
     missing = {m for m in _dashboard_metric_names() if m not in exported}
     assert not missing, f"dashboard metrics not exported: {missing}"
     positions = {labels["position"] for labels, _ in _samples(text, "ray_specserve_draft_position_proposed_total")}
-    assert positions == {"0", "1", "2", "3"}  # K = 4 (ops/serve-local.yaml)
+    assert positions == {"0", "1", "2", "3"}  # K = 4 (ops/deploy/serve-cluster-local.yaml)
     assert accepted > 0 and summary["speculation"]["acceptance_rate"] == 1.0  # self-drafting, greedy
     compute = _samples(text, "ray_specserve_verify_latency_seconds_count")
     assert {labels["scope"] for labels, _ in compute} == {"call", "compute"}

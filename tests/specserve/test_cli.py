@@ -10,6 +10,7 @@ import pytest
 
 from pipeline.compat import IncompatibleDrafter, check_compatible
 from pipeline.models.loader import load_model
+from pipeline.models.store import DEMO_DRAFT, SHIPPED_DRAFTERS, resolve
 from tests.support.models import make_tiny_llama
 
 
@@ -96,8 +97,6 @@ def test_generate_streams_text(demo_path):
 
 
 def test_shipped_drafter_is_addressable_by_name():
-    from pipeline.models.store import DEMO_DRAFT, SHIPPED_DRAFTERS, resolve
-
     assert resolve(DEMO_DRAFT) == SHIPPED_DRAFTERS / DEMO_DRAFT
     with pytest.raises(ValueError, match="not found"):
         resolve("no-such-drafter")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -12,9 +11,12 @@ import threading
 import time
 
 import pytest
-from fastapi import Request  # module level: FastAPI resolves the (string) annotation from here
+import uvicorn
+from fastapi import FastAPI, Request  # Request at module level: FastAPI resolves the annotation here
+from fastapi.responses import JSONResponse, StreamingResponse
 
-from specserve import load
+from specserve import loadgen
+from specserve.prompts import SPEC_BENCH_DEV
 from tests.support import ROOT
 
 ROOT = str(ROOT)
@@ -26,10 +28,6 @@ class FakeServer:
     """Streams 4 chunks per request; fails (HTTP 500) every request whose seed is a multiple of 5."""
 
     def __init__(self) -> None:
-        import uvicorn
-        from fastapi import FastAPI
-        from fastapi.responses import JSONResponse, StreamingResponse
-
         self.active = 0
         self.max_active = 0
         self.bodies: list[dict] = []
@@ -99,9 +97,9 @@ def server():
 
 def test_load_summary_counts_latencies_and_speculation(server, tmp_path):
     server.max_active = 0
-    config = load.LoadConfig(url=server.url, concurrency=3, num_requests=10, max_tokens=10,
+    config = loadgen.LoadConfig(url=server.url, concurrency=3, num_requests=10, max_tokens=10,
                              num_draft_tokens=3)
-    summary = load.run(config, ["a prompt", "another prompt"], tmp_path, progress=False)
+    summary = loadgen.run(config, ["a prompt", "another prompt"], tmp_path, progress=False)
     assert summary["model"] == "fake-model"
     assert summary["requests"]["sent"] == 10
     assert summary["requests"]["ok"] == 8  # seeds 0 and 5 fail
@@ -132,9 +130,9 @@ def test_load_summary_counts_latencies_and_speculation(server, tmp_path):
 
 
 def test_duration_bounds_the_run(server):
-    config = load.LoadConfig(url=server.url, concurrency=2, num_requests=10_000, duration_s=0.5)
+    config = loadgen.LoadConfig(url=server.url, concurrency=2, num_requests=10_000, duration_s=0.5)
     t = time.perf_counter()
-    summary = load.run(config, ["p"], None, progress=False)
+    summary = loadgen.run(config, ["p"], None, progress=False)
     assert time.perf_counter() - t < 3.0
     assert 2 <= summary["requests"]["sent"] < 100
 
@@ -143,22 +141,20 @@ def test_unreachable_server_is_an_error_not_a_hang():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens here after the close
-    config = load.LoadConfig(url=f"http://127.0.0.1:{port}", model="m", concurrency=2, num_requests=4)
-    summary = load.run(config, ["p"], None, progress=False)
+    config = loadgen.LoadConfig(url=f"http://127.0.0.1:{port}", model="m", concurrency=2, num_requests=4)
+    summary = loadgen.run(config, ["p"], None, progress=False)
     assert summary["requests"]["failed"] == 4
     assert "ConnectError" in next(iter(summary["requests"]["errors"]))
 
 
 def test_prompts_from_spec_bench_jsonl_and_text(tmp_path):
-    bench = os.path.join(ROOT, "..", "shared", "data", "spec_bench_dev.jsonl")
-    if os.path.exists(bench):
-        prompts = load.load_prompts(bench)
-        assert len(prompts) == 240 and all(isinstance(p, str) and p for p in prompts)
+    prompts = loadgen.load_prompts(SPEC_BENCH_DEV)  # shipped in the package
+    assert len(prompts) == 240 and all(isinstance(p, str) and p for p in prompts)
     txt = tmp_path / "p.txt"
     txt.write_text("one\n\ntwo\n")
-    assert load.load_prompts(txt) == ["one", "two"]
+    assert loadgen.load_prompts(txt) == ["one", "two"]
     with pytest.raises(ValueError, match="concurrency"):
-        load.LoadConfig(concurrency=0)
+        loadgen.LoadConfig(concurrency=0)
 
 
 def test_cli_writes_outputs_and_prints_the_summary(server, tmp_path):

@@ -11,6 +11,8 @@ import sys
 import threading
 import time
 
+from deployments.ray_env import ray_environment
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -24,7 +26,7 @@ def _session_pids(sid: int) -> list[int]:
 
 
 def _serve_in_own_session() -> subprocess.Popen:
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
+    env = dict(ray_environment(), PYTHONUNBUFFERED="1")
     return subprocess.Popen([sys.executable, "-m", "specserve", "serve", "--port", str(_free_port())],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)

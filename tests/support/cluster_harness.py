@@ -1,4 +1,4 @@
-"""Harness for launching ops/cluster-local.yaml with `ray up` in a test, on this machine, over SSH.
+"""Harness for launching ops/deploy/cluster-local.yaml with `ray up` in a test, on this machine, over SSH.
 
 What it sets up, and undoes afterwards:
 - a throwaway SSH key, authorized for root (a marked line in ~/.ssh/authorized_keys);
@@ -25,8 +25,10 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
 import yaml
 
+from deployments.ray_env import RAY_DEFAULTS, ray_environment
 from tests.support import ROOT
 
 MARK_ENV = "SPECSERVE_TEST_CLUSTER"
@@ -76,8 +78,6 @@ def port_open(port: int, host: str = "127.0.0.1") -> bool:
 
 def listeners(port: int) -> list[str]:
     """Who listens on `port` (pid, command line), for failure messages."""
-    import psutil
-
     out = []
     for conn in psutil.net_connections("tcp"):
         if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN:
@@ -91,8 +91,6 @@ def listeners(port: int) -> list[str]:
 
 def cluster_processes(mark: str) -> list[int]:
     """Live processes of the cluster: those with its mark in their environment, and their descendants."""
-    import psutil
-
     pids: set[int] = set()
     for p in psutil.process_iter():
         try:
@@ -105,8 +103,6 @@ def cluster_processes(mark: str) -> list[int]:
 
 
 def alive(pid: int) -> bool:
-    import psutil
-
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
@@ -119,7 +115,7 @@ def missing_tools() -> list[str]:
 
 
 class LocalCluster:
-    """Renders ops/cluster-local.yaml for this run and drives `ray up` / `ray down` on it."""
+    """Renders ops/deploy/cluster-local.yaml for this run and drives `ray up` / `ray down` on it."""
 
     def __init__(self, tmp: Path):
         self.tmp = tmp
@@ -158,9 +154,10 @@ class LocalCluster:
             f'if [ "$1" = stop ]; then exec {sys.executable} {self.bin / "stop_cluster.py"} {self.id}; fi\n'
             f'exec {real_ray} "$@"\n')
         shim.chmod(0o755)
+        ray_vars = " ".join(f"{k}={v}" for k, v in RAY_DEFAULTS.items())
         with open(HOME / ".bashrc", "a") as f:
             f.write(f"# >>> {self._marker} >>>\n"
-                    f"export PATH={self.bin}:{venv_bin}:$PATH RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0\n"
+                    f"export PATH={self.bin}:{venv_bin}:$PATH {ray_vars}\n"
                     f"# <<< {self._marker} <<<\n")
 
         if not port_open(22):
@@ -183,8 +180,8 @@ class LocalCluster:
         self.render()
 
     def render(self) -> None:
-        """Write ops/cluster-local.yaml with this run's key, paths, ports, marker and name."""
-        text = (ROOT / "ops" / "cluster-local.yaml").read_text()
+        """Write ops/deploy/cluster-local.yaml with this run's key, paths, ports, marker and name."""
+        text = (ROOT / "ops" / "deploy" / "cluster-local.yaml").read_text()
         text = (text.replace("~/.ssh/id_ed25519", str(self.key))
                 .replace("~/specserve-local", str(self.node_dir))
                 .replace("$HOME/specserve-local", str(self.node_dir))
@@ -222,7 +219,7 @@ class LocalCluster:
 
     # -- ray CLI ------------------------------------------------------------------------------------------
     def env(self) -> dict[str, str]:
-        return {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+        return {**ray_environment(),
                 "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
 
     def ray(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:

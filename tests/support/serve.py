@@ -11,13 +11,13 @@ import socket
 import time
 from typing import Any, Iterator, Optional
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-
+from deployments.ray_env import apply_ray_defaults
 from pipeline.config import EngineConfig
 from pipeline.drafters import HybridDrafter, ModelDrafter
 from pipeline.engine import SpeculativeEngine
 from pipeline.models.loader import load_model
+
+apply_ray_defaults()
 
 _PORT: Optional[int] = None
 

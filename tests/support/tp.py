@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import multiprocessing as mp
-import os
 import socket
 import time
 import traceback
@@ -15,8 +14,9 @@ from typing import Any, Callable
 
 import torch
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+from deployments.ray_env import apply_ray_defaults
+
+apply_ray_defaults()
 
 SLOTS, MAX_LEN = 4, 96
 GRAPH_BUCKETS = dict(batch_buckets=(1, 2, 4), token_buckets=(1, 2, 4), kv_block=16)

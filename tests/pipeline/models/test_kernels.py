@@ -96,12 +96,12 @@ def test_gpu_bench_scripts_refuse_in_one_line(script, bad_args, first_words):
     from pathlib import Path
 
     root = ROOT
-    bad = subprocess.run([sys.executable, f"ops/{script}.py", *bad_args], cwd=root, capture_output=True, text=True,
+    bad = subprocess.run([sys.executable, "-m", f"ops.{script}", *bad_args], cwd=root, capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
     assert bad.stderr.startswith(first_words) and "9b" in bad.stderr
     if not torch.cuda.is_available():
-        cpu = subprocess.run([sys.executable, f"ops/{script}.py"], cwd=root, capture_output=True, text=True,
+        cpu = subprocess.run([sys.executable, "-m", f"ops.{script}"], cwd=root, capture_output=True, text=True,
                              timeout=120)
         assert cpu.returncode == 2 and cpu.stderr.strip() == f"{script}: needs a CUDA GPU"
 

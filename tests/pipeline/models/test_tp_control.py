@@ -107,7 +107,7 @@ def test_the_control_channel_benchmark_runs_and_prints_its_table(tmp_path):
     import sys
 
     root = ROOT
-    out = subprocess.run([sys.executable, "ops/tp_control_bench.py", "--ranks", "2", "--messages", "20",
+    out = subprocess.run([sys.executable, "-m", "ops.tp_control_bench", "--ranks", "2", "--messages", "20",
                           "--gap-ms", "1", "--json", str(tmp_path / "c.json")],
                          cwd=root, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]

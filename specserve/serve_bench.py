@@ -1,7 +1,8 @@
-"""Benchmark of the full HTTP pipeline against the core engine in this process, in the same run.
+"""Benchmark of the full HTTP pipeline against the core engine in this process, in the same run
+(`specserve bench-serve`, specserve/cmd_bench_serve.py).
 
-    python -m deployments.benchmark                        # demo pair, Spec-Bench prompts, greedy
-    python -m deployments.benchmark --threads 2 --concurrency 1,4,16 --out bench-serve
+    specserve bench-serve                        # demo pair, the shipped Spec-Bench prompts, greedy
+    specserve bench-serve --threads 2 --concurrency 1,4,16 --out bench-serve
 
 1. One stream: per prompt, the in-process `SpeculativeEngine` (same target, drafter, K, torch threads as
    the target worker) and the same request through HTTP -> Serve ingress -> coordinator -> target worker,
@@ -23,6 +24,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+import ray
+import torch
+from ray import serve
+
+from deployments.app import build_app
+from deployments.ray_env import apply_ray_defaults
+from pipeline.config import EngineConfig, SamplingParams, SpecParams
+from pipeline.drafters import HYBRID_PREFIX, draft_model_spec
+from pipeline.engine import SpeculativeEngine, default_draft
+from pipeline.models.store import resolve
+from specserve.prompts import load_prompts
+from specserve.spec_bench import machine
+
 
 def pct(values: list[float], q: float) -> float:
     if not values:
@@ -36,7 +51,7 @@ def summary_ms(values: list[float]) -> dict[str, float]:
     return {f"p{q}": pct(values, q) * 1e3 for q in (50, 90, 99)}
 
 
-async def http_stream(client, url: str, body: dict) -> dict[str, Any]:
+async def http_stream(client: httpx.AsyncClient, url: str, body: dict) -> dict[str, Any]:
     t0 = time.perf_counter()
     times, ids, spec = [], [], {}
     async with client.stream("POST", url, json=body) as r:
@@ -59,7 +74,8 @@ async def http_stream(client, url: str, body: dict) -> dict[str, Any]:
             "seconds": end - t0, "spec": spec}
 
 
-def engine_stream(engine, ids: list[int], params, spec) -> dict[str, Any]:
+def engine_stream(engine: SpeculativeEngine, ids: list[int], params: SamplingParams, spec: SpecParams,
+                  ) -> dict[str, Any]:
     t0 = time.perf_counter()
     times, out = [], []
     for ev in engine.stream(ids, params, spec):
@@ -70,36 +86,10 @@ def engine_stream(engine, ids: list[int], params, spec) -> dict[str, Any]:
     return {"ids": out, "ttft": times[0] - t0, "gaps": [b - a for a, b in zip(times, times[1:])], "seconds": end - t0}
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--per-category", type=int, default=1, help="Spec-Bench prompts per category")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("-k", "--num-draft-tokens", type=int, default=4)
-    p.add_argument("--threads", type=int, default=1, help="torch threads: engine here and the target worker")
-    p.add_argument("--concurrency", default="1,4,16")
-    p.add_argument("--repeats", type=int, default=2, help="engine/HTTP pairs per prompt (one stream)")
-    p.add_argument("--no-overlap", action="store_true")
-    p.add_argument("--fixed-k", action="store_true", help="K every step, in the engine and the coordinator alike")
-    p.add_argument("--draft", default=None,
-                   help="'prompt-lookup', a drafter model folder, or 'lookup+MODEL' (default: the demo target's "
-                        "default drafter, as `specserve serve` deploys it)")
-    p.add_argument("--out", default="bench-serve")
-    args = p.parse_args(argv)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-
-    import httpx
-    import ray
-    import torch
-    from ray import serve
-
-    from deployments.app import build_app
-    from pipeline.config import EngineConfig, SamplingParams, SpecParams
-    from pipeline.drafters import HYBRID_PREFIX, draft_model_spec
-    from pipeline.engine import SpeculativeEngine, default_draft
-    from pipeline.models.store import resolve
-    from specserve.bench import DEFAULT_PROMPTS, load_prompts, machine
-
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark with `specserve bench-serve`'s arguments; write serve_bench.json and serve_bench.md
+    to args.out, print the tables, return the result."""
+    apply_ray_defaults()
     torch.set_num_threads(args.threads)
     target = str(resolve(None))
     draft = args.draft or default_draft(None)  # what `specserve serve` deploys for the demo target
@@ -110,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # The engine runs the K policy the coordinator runs (both adapt K per step for greedy requests, unless off).
     engine = SpeculativeEngine.from_pretrained(target, draft, EngineConfig(max_batch_size=16, max_seq_len=2048),
                                                adaptive_k=not args.fixed_k)
-    samples = load_prompts(DEFAULT_PROMPTS, args.per_category)
+    samples = load_prompts(args.prompts, args.per_category)
     prompts = [engine.encode(s.prompt, chat=True) for s in samples]
     params = SamplingParams(max_tokens=args.max_tokens, seed=0)
     spec = SpecParams(args.num_draft_tokens)
@@ -120,9 +110,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     quiet = {"log_level": "WARNING", "enable_access_log": False}
     serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=quiet)
     cfg = {"target": {"model": target, "max_seq_len": 2048, "resources": {"torch_threads": args.threads}},
-           "drafter": ({"method": "prompt_lookup"} if model_part is None else
-                       {"method": "hybrid" if draft.startswith(HYBRID_PREFIX) else "model", "model": model_path,
-                        "resources": {"torch_threads": args.threads}}),
+           "drafter": {"draft": draft, "resources": {"torch_threads": args.threads}},
            "speculation": {"num_draft_tokens": args.num_draft_tokens},
            "coordinator": {"overlap": not args.no_overlap, "adaptive_k": not args.fixed_k}}
     serve.run(build_app(cfg), name="bench", route_prefix="/", logging_config=quiet)
@@ -237,7 +225,3 @@ def markdown(r: dict[str, Any]) -> str:
                      f"{a['ttft_ms']['p99']:.0f} | {a['itl_ms']['p50']:.1f} / {a['itl_ms']['p90']:.1f} / "
                      f"{a['itl_ms']['p99']:.1f} | {a['engine_batch_tokens_per_s']:.1f} |")
     return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    main()

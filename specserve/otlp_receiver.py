@@ -2,7 +2,7 @@
 
 For tests and for looking at traces where no Jaeger runs:
 
-    python -m ops.otlp_receiver --http-port 4318 --grpc-port 4317 --dump spans.jsonl
+    specserve otlp-receiver --http-port 4318 --grpc-port 4317 --dump spans.jsonl
 
 Each received span becomes a flat dict (hex ids, parent id, name, attributes, resource attributes,
 start/end in ns). It decodes the same protobufs Jaeger's OTLP receiver does, so a trace that reads well
@@ -11,7 +11,6 @@ here reads the same in Jaeger.
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import threading
@@ -19,6 +18,13 @@ import time
 from concurrent import futures
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+import grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
 
 
 def _any_value(value: Any) -> Any:
@@ -81,11 +87,6 @@ class OTLPReceiver:
                         f.write(json.dumps(s) + "\n")
 
     def start(self) -> "OTLPReceiver":
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-            ExportTraceServiceRequest,
-            ExportTraceServiceResponse,
-        )
-
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -115,9 +116,6 @@ class OTLPReceiver:
         threading.Thread(target=self._http.serve_forever, daemon=True, name="otlp-http").start()
 
         if self._grpc_port is not None:
-            import grpc
-            from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
-
             class Servicer(trace_service_pb2_grpc.TraceServiceServicer):
                 def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 (gRPC naming)
                     receiver._add(request)
@@ -165,23 +163,14 @@ class OTLPReceiver:
             time.sleep(0.1)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--http-port", type=int, default=4318)
-    parser.add_argument("--grpc-port", type=int, default=None)
-    parser.add_argument("--dump", default="spans.jsonl", help="append every span here as a JSON line")
-    args = parser.parse_args()
-    receiver = OTLPReceiver(args.host, args.http_port, args.grpc_port, args.dump).start()
+def serve_forever(host: str, http_port: int, grpc_port: int | None, dump: str) -> None:
+    """Receive spans until Ctrl-C, appending each to `dump` as a JSON line."""
+    receiver = OTLPReceiver(host, http_port, grpc_port, dump).start()
     print(f"OTLP/HTTP on {receiver.http_endpoint}/v1/traces"
-          + (f", OTLP/gRPC on {args.host}:{receiver.grpc_port}" if receiver.grpc_port else "")
-          + f"; spans appended to {args.dump}", flush=True)
+          + (f", OTLP/gRPC on {host}:{receiver.grpc_port}" if receiver.grpc_port else "")
+          + f"; spans appended to {dump}", flush=True)
     try:
         while True:
             time.sleep(3600)
-    except KeyboardInterrupt:
+    finally:
         receiver.stop()
-
-
-if __name__ == "__main__":
-    main()

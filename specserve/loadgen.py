@@ -22,6 +22,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+import httpx
+from tqdm import tqdm
+
 DEFAULT_PROMPTS = (
     "Explain how a hash map handles collisions.",
     "Write a short poem about the sea at night.",
@@ -202,8 +205,6 @@ async def _resolve_model(client: Any, config: LoadConfig) -> str:
 async def run_load(config: LoadConfig, prompts: Sequence[str], progress: bool = True,
                    ) -> tuple[list[RequestRecord], float, str]:
     """Run the load; return (records in send order, wall time of the run in s, model id)."""
-    import httpx
-
     rng = random.Random(config.seed)
     order = [rng.randrange(len(prompts)) for _ in range(config.num_requests)]
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
@@ -212,8 +213,6 @@ async def run_load(config: LoadConfig, prompts: Sequence[str], progress: bool = 
     records: list[RequestRecord] = []
     bar = None
     if progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=config.num_requests, unit="req", desc="load", dynamic_ncols=True)
     async with httpx.AsyncClient(base_url=config.url, headers=headers, limits=limits, timeout=timeout) as client:
         model = await _resolve_model(client, config)
@@ -386,7 +385,7 @@ def summarize(records: Sequence[RequestRecord], wall_s: float, config: LoadConfi
 
 
 def write_plots(records: Sequence[RequestRecord], out_dir: Path) -> list[Path]:
-    import matplotlib
+    import matplotlib  # optional (the serve extra), and slow to import: only when plots are asked for
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

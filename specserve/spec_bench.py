@@ -8,37 +8,23 @@ decoding (greedy speculation must not change a single token).
 
 from __future__ import annotations
 
-import json
 import platform
 import time
-from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM
 
-MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "spec_bench_dev.jsonl"
-
-
-@dataclass
-class Sample:
-    question_id: Any
-    category: str  # Spec-Bench's six: mt_bench, translation, summarization, qa, math_reasoning, rag
-    prompt: str
-
-
-def load_prompts(path: str | Path, per_category: int) -> list[Sample]:
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt file not found: {path}")
-    by_cat: dict[str, list[Sample]] = defaultdict(list)
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
-        cat = "mt_bench" if row["category"] in MT_BENCH else row["category"]
-        by_cat[cat].append(Sample(row.get("question_id"), cat, row["turns"][0]))
-    return [s for cat in sorted(by_cat) for s in by_cat[cat][:per_category]]
+from pipeline.adaptive import AdaptiveK
+from pipeline.config import EngineConfig, SamplingParams, SpecParams
+from pipeline.distill.drafter import load_hf_assistant
+from pipeline.drafters import build_drafter, draft_model_spec
+from pipeline.engine import SpeculativeEngine
+from pipeline.models.loader import load_model
+from pipeline.models.store import resolve
+from specserve.prompts import Sample
 
 
 def machine() -> str:
@@ -68,15 +54,6 @@ def run_bench(
     adaptive_k: bool = False,
     draft_weights: str = "model",  # "fp8": the draft model's graph path streams float8 weights (CUDA only)
 ) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM
-
-    from pipeline.adaptive import AdaptiveK
-    from pipeline.config import EngineConfig, SamplingParams, SpecParams
-    from pipeline.drafters import build_drafter, draft_model_spec
-    from pipeline.engine import SpeculativeEngine
-    from pipeline.models.loader import load_model
-    from pipeline.models.store import resolve
-
     target_path = str(resolve(target))
     torch_dtype = getattr(torch, dtype)
     model, tok = load_model(target_path, device=device, dtype=dtype)
@@ -148,10 +125,8 @@ def run_bench(
 
 
 def _hf_assistant(path: str, k: int, device: str, dtype: torch.dtype = torch.float32):
-    # issue 8: a distilled drafter may have a reduced draft vocabulary; this wrapper maps it to target ids
+    # A distilled drafter may have a reduced draft vocabulary; this wrapper maps it to target ids
     # (plain AutoModelForCausalLM for any other folder).
-    from pipeline.distill.drafter import load_hf_assistant
-
     m = load_hf_assistant(path, device=device, dtype=dtype)
     m.generation_config.num_assistant_tokens = k
     m.generation_config.num_assistant_tokens_schedule = "constant"
@@ -210,7 +185,7 @@ def markdown_table(result: dict[str, Any]) -> str:
 
 
 def plot(result: dict[str, Any], path: str | Path) -> None:
-    import matplotlib
+    import matplotlib  # optional (the serve extra): the caller skips the plot without it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -229,7 +204,5 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def _progress(total: int, enabled: bool):
-    from tqdm import tqdm
-
+def _progress(total: int, enabled: bool) -> tqdm:
     return tqdm(total=total, disable=not enabled, desc="bench", unit="run")

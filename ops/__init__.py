@@ -1,0 +1,1 @@
+"""Deploy configs (deploy/) and developer scripts, run from the repository root as `python -m ops.NAME`."""
