@@ -1,6 +1,6 @@
 # The two commands of the quick start:
 #   make serve   set up, then serve the demo pair on local Ray with an embedded Redis (Ctrl-C stops it)
-#   make test    set up, then run the whole test suite
+#   make test    set up, then lint (ruff) and run the whole test suite
 .PHONY: setup serve generate test bench
 
 setup:
@@ -13,6 +13,7 @@ generate: setup
 	.venv/bin/specserve generate --chat --prompt "Explain speculative decoding in two sentences."
 
 test: setup
+	.venv/bin/ruff check .
 	.venv/bin/python -m pytest -q
 
 bench: setup

@@ -20,7 +20,13 @@ from ray import serve
 from ray.serve import Application
 
 from deployments.config import (
-    COORDINATOR, DRAFTER, EMBEDDED_REDIS, INGRESS, TARGET, AppConfig, deployment_options,
+    COORDINATOR,
+    DRAFTER,
+    EMBEDDED_REDIS,
+    INGRESS,
+    TARGET,
+    AppConfig,
+    deployment_options,
 )
 from deployments.coordinator import Coordinator
 from deployments.drafter_replica import DrafterServer

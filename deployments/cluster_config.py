@@ -136,9 +136,8 @@ def node_types(prepared: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def validate_serve(serve: str | Path | dict[str, Any]) -> dict[str, Any]:
     """Serve's own schema check of a `serve deploy` config. Returns the raw mapping."""
     from pydantic import ValidationError
-    from ray.serve.schema import ServeDeploySchema
-
     from ray.serve.config import AutoscalingConfig
+    from ray.serve.schema import ServeDeploySchema
 
     raw = load_yaml(serve)
     try:

@@ -36,7 +36,13 @@ from ray import serve
 from deployments import metrics, tracing  # tracing is a no-op unless OTEL_EXPORTER_OTLP_ENDPOINT is set
 from deployments.config import DRAFTER, TARGET, AppConfig
 from deployments.messages import (
-    ErrorEvent, GenerateRequest, ProposeCall, StepEvent, VerifyCall, spec_from_json, spec_to_json,
+    ErrorEvent,
+    GenerateRequest,
+    ProposeCall,
+    StepEvent,
+    VerifyCall,
+    spec_from_json,
+    spec_to_json,
 )
 from deployments.protocol import APIError
 from deployments.redis_state import NotOwner, RequestStore, redis_url_getter

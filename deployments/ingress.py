@@ -32,8 +32,16 @@ from deployments import metrics, tracing  # tracing is a no-op unless OTEL_EXPOR
 from deployments.config import NO_DRAFT, AppConfig
 from deployments.messages import ErrorEvent, GenerateRequest, StepEvent
 from deployments.protocol import (
-    APIError, chat_chunk, completion_chunk, full_response, models_list, now, parse_request,
-    resolve_max_tokens, usage, usage_chunk,
+    APIError,
+    chat_chunk,
+    completion_chunk,
+    full_response,
+    models_list,
+    now,
+    parse_request,
+    resolve_max_tokens,
+    usage,
+    usage_chunk,
 )
 from deployments.redis_state import RequestStore, redis_url_getter
 from deployments.sse import event_id, parse_event_id, sse_stream

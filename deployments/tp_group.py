@@ -36,7 +36,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from deployments.config import Resources, worker_actor_options
 from deployments.workers import WORKER_NAMESPACE, worker_name
 from pipeline.models.tensor_parallel import (
-    TensorParallelRunner, follow, init_tensor_parallel, load_tensor_parallel_model, tensor_parallel_graphs,
+    TensorParallelRunner,
+    follow,
+    init_tensor_parallel,
+    load_tensor_parallel_model,
+    tensor_parallel_graphs,
 )
 
 logger = logging.getLogger(__name__)

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-
 from pipeline.models import decode_attention as da  # noqa: E402
 
 HKV, LAYERS = 8, 32

@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-
 from pipeline.models import skinny_linear as sl  # noqa: E402
 from pipeline.models.kernel_timing import copy_GBps  # noqa: E402
 

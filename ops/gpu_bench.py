@@ -41,7 +41,6 @@ from typing import Any, Callable
 
 import torch
 
-
 from pipeline.models.graphs import GraphCausalLM, GraphConfig  # noqa: E402
 from pipeline.models.kernel_timing import copy_GBps  # noqa: E402
 from pipeline.models.shapes import SHAPES, kv_bytes_per_token, random_llama, weight_bytes_read  # noqa: E402
@@ -166,7 +165,7 @@ def bench_ours(shape: str, batches: list[int], Ts: list[int], context: int, eage
             rows.append(row)
             log(f"ours[{variant_label(attention, graph)}] {shape} B={B} T={T}: {step['median_ms']:.3f} ms (replay {replay['median_ms']:.3f}, "
                 f"eager {row.get('eager_ms', float('nan')):.2f}, first call {first_s:.1f} s)")
-    del graph, runner
+    graph = runner = None  # free the GPU memory before the next shape
     free()
     return rows
 
@@ -213,7 +212,7 @@ def bench_hf_eager(model, shape: str, batches: list[int], Ts: list[int], context
                             reset=lambda: cache.crop(context))
                 rows.append({"impl": "hf-eager", "model": shape, "B": B, "T": T, "ms": t["median_ms"]})
                 log(f"hf-eager {shape} B={B} T={T}: {t['median_ms']:.2f} ms")
-        del cache
+        cache = None
         free()
     return rows
 
@@ -256,7 +255,7 @@ def bench_hf_compiled(model, shape: str, B: int, Ts: list[int], context: int, de
             t = time_fn(step, iters=20)
         rows.append({"impl": "hf-compiled", "model": shape, "B": B, "T": T, "ms": t["median_ms"], "compile_s": first_s})
         log(f"hf-compiled {shape} B={B} T={T}: {t['median_ms']:.2f} ms (compile+warm-up {first_s:.0f} s)")
-        del cache
+        cache = None
         free()
     torch._dynamo.reset()
     free()

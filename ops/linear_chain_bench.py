@@ -39,11 +39,9 @@ from typing import Callable
 
 import torch
 
-
 from pipeline.models import fused_linear as fl  # noqa: E402
 from pipeline.models import pdl  # noqa: E402
 from pipeline.models.kernel_timing import captured_ms, copy_GBps  # noqa: E402
-
 
 # (hidden, q width, k+v width, intermediate) of each rank's shard
 SETS = {

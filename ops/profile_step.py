@@ -31,7 +31,6 @@ from typing import Any, Callable
 
 import torch
 
-
 PHASES = ("sampling", "propose", "target", "verify", "accept")
 
 

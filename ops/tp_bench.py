@@ -55,13 +55,19 @@ from typing import Any, Callable
 
 import torch
 
-
 from pipeline.models.base import ModelInfo  # noqa: E402
 from pipeline.models.kernel_timing import copy_GBps  # noqa: E402
 from pipeline.models.llama import LlamaArgs, LlamaCausalLM, Transformer  # noqa: E402
 from pipeline.models.tensor_parallel import (  # noqa: E402
-    Slice, TensorParallelRunner, build_sharded_transformer, follow, init_tensor_parallel, make_plan,
-    num_parameters, sharded_runner, tensor_parallel_graphs,
+    Slice,
+    TensorParallelRunner,
+    build_sharded_transformer,
+    follow,
+    init_tensor_parallel,
+    make_plan,
+    num_parameters,
+    sharded_runner,
+    tensor_parallel_graphs,
 )
 from pipeline.models.tp_control import parse_control  # noqa: E402
 

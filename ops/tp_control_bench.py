@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-
 from pipeline.models.tp_control import open_control, parse_control  # noqa: E402
 
 

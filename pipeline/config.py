@@ -11,7 +11,6 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-
 # The drafter vocabulary (CLI --draft, `SpeculativeEngine.from_pretrained(draft=...)`, Serve `drafter.draft`):
 PROMPT_LOOKUP = "prompt-lookup"  # n-gram copy from the context (pipeline.drafters.PromptLookupDrafter)
 HYBRID_PREFIX = "lookup+"  # "lookup+MODEL": prompt lookup where it matches, the model elsewhere (HybridDrafter)

@@ -30,7 +30,14 @@ from pipeline.models.store import DEMO_DRAFT, DEMO_TARGET, resolve
 from pipeline.sampling import SamplingTensors
 from pipeline.sequence import RequestState
 from pipeline.step import (
-    CACHE_SLACK, catch_up, commit, draft_budgets, empty_block, new_k_policy, propose, verify_and_accept,
+    CACHE_SLACK,
+    catch_up,
+    commit,
+    draft_budgets,
+    empty_block,
+    new_k_policy,
+    propose,
+    verify_and_accept,
 )
 
 

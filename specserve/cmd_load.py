@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here, not at the top: httpx is not needed for `specserve --help`.
-    from specserve.loadgen import LoadConfig, load_prompts, run as run_load
+    from specserve.loadgen import LoadConfig, load_prompts
+    from specserve.loadgen import run as run_load
 
     config = LoadConfig(
         url=args.url.rstrip("/"), model=args.model, concurrency=args.concurrency,

@@ -25,7 +25,6 @@ from pipeline.engine import SpeculativeEngine
 from specserve.prompts import SPEC_BENCH_DEV
 
 
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=None)

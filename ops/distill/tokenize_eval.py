@@ -8,7 +8,6 @@ these prompts are never trained on.
 
 import sys
 
-
 from transformers import AutoTokenizer  # noqa: E402
 
 from pipeline.distill.prompts import save_prompts, spec_bench_prompts  # noqa: E402

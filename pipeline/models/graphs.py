@@ -41,9 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.models.base import CausalLM
 from pipeline.models import fused_linear as fl
 from pipeline.models import pdl
+from pipeline.models.base import CausalLM
 from pipeline.models.decode_attention import resolve_attention, sdpa_mask, sdpa_slot_attention, triton_slot_attention
 from pipeline.models.llama import LlamaCausalLM
 from pipeline.models.rope_write import cache_rows, rope_split, triton_rope_write

@@ -173,8 +173,11 @@ def test_cli_reports_errors_and_exit_code(shipped):
     cluster, serve = _load(shipped)
     del cluster["available_node_types"]["drafter_gpu"]
     (shipped / "bad.yaml").write_text(yaml.safe_dump(cluster))
-    run = lambda *a: subprocess.run([sys.executable, "-m", "deployments.cluster_config", *a], cwd=ROOT,
-                                    capture_output=True, text=True, timeout=120)
+
+    def run(*a):
+        return subprocess.run([sys.executable, "-m", "deployments.cluster_config", *a], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+
     bad = run(str(shipped / "bad.yaml"), str(shipped / SERVE_CLUSTER.relative_to(ROOT)))
     assert bad.returncode == 1
     assert "error: applications[0].args.drafter.resources.accelerator_type: 'L4'" in bad.stderr

@@ -25,7 +25,6 @@ def server(demo_path):
     from ray import serve
 
     from deployments.app import build_app
-
     from pipeline.models.store import DEMO_DRAFT, resolve
 
     drafter = {"draft": "lookup+" + str(resolve(DEMO_DRAFT))}
@@ -44,9 +43,8 @@ def client(server):
 @pytest.fixture(scope="module")
 def engine(demo_path):
     from pipeline.config import EngineConfig
-    from pipeline.engine import SpeculativeEngine
-
     from pipeline.drafters import HYBRID_PREFIX
+    from pipeline.engine import SpeculativeEngine
     from pipeline.models.store import DEMO_DRAFT
 
     return SpeculativeEngine.from_pretrained(demo_path, HYBRID_PREFIX + DEMO_DRAFT,

@@ -12,8 +12,8 @@ import torch
 from deployments.messages import VerifyCall
 from deployments.target_replica import TargetWorker
 from pipeline.config import SamplingParams
-from pipeline.step import Draft
 from pipeline.models.graphs import GraphCausalLM, GraphConfig
+from pipeline.step import Draft
 
 GREEDY = SamplingParams(temperature=0.0, seed=0)
 STATIC = GraphConfig(graphs=False, compile=False, batch_buckets=(1, 2, 4, 8), token_buckets=(1, 2, 4, 8), kv_block=16)

@@ -16,7 +16,6 @@ from deployments.protocol import APIError, parse_request, resolve_max_tokens
 from deployments.redis_state import NotOwner, RequestStore
 from deployments.sse import DONE, format_event, parse_event_id, sse_stream
 
-
 # -- config -> options ------------------------------------------------------------------------------------
 
 def test_cpu_defaults_need_no_placement_group_and_claim_no_cpu():
@@ -376,8 +375,8 @@ def test_target_worker_chunked_prefill_gives_the_same_verdicts(tiny_models):
 
     from deployments import target_replica as tr
     from pipeline.config import SamplingParams
-    from pipeline.step import Draft, Verdict
     from pipeline.models.loader import load_model
+    from pipeline.step import Draft, Verdict
 
     worker = tr.TargetWorker(str(tiny_models["llama"]), max_batch_size=2, max_seq_len=600)
     prompt = [(7 * i + 3) % 128 for i in range(2 * tr.PREFILL_CHUNK + 50)]

@@ -192,9 +192,8 @@ def test_fp8_widened_by_its_bits_gives_torchs_e4m3_values():
     (tests/support/graph_kernel_cases.py)."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("float8 needs compute capability 8.9+")
-    from tests.support import graph_kernel_cases as cases
-
     import pipeline.models.fused_linear as fl
+    from tests.support import graph_kernel_cases as cases
 
     r = cases.fp8_widen_case(torch, fl, "cuda")
     assert r["exact"] and r["ok"] and r["err"] <= r["tol"], r
@@ -382,9 +381,8 @@ def test_engine_warmup_leaves_no_capture_to_the_steps():
 def test_tp_fused_allreduce_on_the_gpu():
     """The fused all-reduce's push and reduce (`pipeline.models.tp_fused`) with GPU memory and loads: two and three
     ranks simulated on one GPU against the eager bf16 math (the case CI runs in the interpreter)."""
-    from tests.support import graph_kernel_cases as cases
-
     import pipeline.models.fused_linear as fl
+    from tests.support import graph_kernel_cases as cases
 
     for R, M in ((2, 1), (3, 5)):
         r = cases.tp_fused_case(torch, fl, R, M, "cuda")

@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
-from tests.support import ROOT
 
+from tests.support import ROOT
 
 
 def test_profile_step_on_cpu(tmp_path):

@@ -29,7 +29,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from specserve import loadgen
 from specserve.otlp_receiver import OTLPReceiver
 from tests.support.cluster_harness import (
-    ROOT, LocalCluster, alive, cluster_processes, free_port, listeners, missing_tools, port_open,
+    ROOT,
+    LocalCluster,
+    alive,
+    cluster_processes,
+    free_port,
+    listeners,
+    missing_tools,
+    port_open,
 )
 
 pytestmark = pytest.mark.slow

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from tests.support import ROOT
 
+from tests.support import ROOT
 
 
 def test_tp_bench_smoke_on_cpu(tmp_path):

@@ -338,10 +338,9 @@ def fused_graph_case(torch, case: str) -> dict:
     """A tiny bf16 model's static path with the fused layer against the unfused static path (same kernels
     otherwise) and the eager runner: logits within bf16 tolerance of the largest logit, the fused layer used.
     fp8: weights that float8 holds exactly; the float8 layer must then give the bf16 fused layer's logits."""
-    from tests.support.decode_attention_cases import compare_static_paths
-
     from pipeline.models.graphs import GraphCausalLM, GraphConfig
     from pipeline.models.shapes import SHAPES, random_llama
+    from tests.support.decode_attention_cases import compare_static_paths
 
     bias_window = case.endswith("bias-window-bf16")
     args = replace(SHAPES["llama-1b"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,

@@ -8,8 +8,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from tests.support import ROOT
 
+from tests.support import ROOT
 
 
 def run_interpreted(cases_file: str) -> dict:

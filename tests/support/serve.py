@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import atexit
 import json
-import os
 import socket
 import time
 from typing import Any, Iterator, Optional

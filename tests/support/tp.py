@@ -117,7 +117,11 @@ def compare_ranks(rank: int, world_size: int, init: str, models: dict[str, str],
     """The main scenario: SPMD scripts over every model, then driven mode (rank 0 + follow()) with an idle
     gap longer than the control timeout, then the static graph path, then rank 1 gets killed by the test."""
     from pipeline.models.tensor_parallel import (
-        TensorParallelError, TensorParallelRunner, follow, init_tensor_parallel, load_tensor_parallel_model,
+        TensorParallelError,
+        TensorParallelRunner,
+        follow,
+        init_tensor_parallel,
+        load_tensor_parallel_model,
         tensor_parallel_graphs,
     )
 
@@ -218,7 +222,11 @@ def leader_lost(rank: int, world_size: int, init: str, model: str, hang: bool, c
     """Rank 0 is killed by the test (hang=False) or stops sending anything, heartbeats included (hang=True):
     the follower's follow() must raise within the control timeout, not wait forever."""
     from pipeline.models.tensor_parallel import (
-        TensorParallelError, TensorParallelRunner, follow, init_tensor_parallel, load_tensor_parallel_model,
+        TensorParallelError,
+        TensorParallelRunner,
+        follow,
+        init_tensor_parallel,
+        load_tensor_parallel_model,
     )
 
     out = Path(out_dir)

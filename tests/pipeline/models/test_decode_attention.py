@@ -14,16 +14,14 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.support import decode_attention_cases as cases
-from tests.support.interpreter import run_interpreted
 from pipeline.models import decode_attention as da
 from tests.support import ROOT
-
+from tests.support import decode_attention_cases as cases
+from tests.support.interpreter import run_interpreted
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 

@@ -19,11 +19,11 @@ import importlib.util
 import pytest
 import torch
 
-from tests.support import graph_kernel_cases as cases
-from tests.support.interpreter import run_interpreted
 from pipeline.models import skinny_linear as sl
 from pipeline.models.rope_write import torch_rope_write
 from tests.support import ROOT
+from tests.support import graph_kernel_cases as cases
+from tests.support.interpreter import run_interpreted
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -93,7 +93,6 @@ def test_gpu_bench_scripts_refuse_in_one_line(script, bad_args, first_words):
     """Bad arguments: one line, exit 2, before any GPU work; without a GPU: one line saying so."""
     import subprocess
     import sys
-    from pathlib import Path
 
     root = ROOT
     bad = subprocess.run([sys.executable, "-m", f"ops.{script}", *bad_args], cwd=root, capture_output=True, text=True,

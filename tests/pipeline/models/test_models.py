@@ -15,8 +15,8 @@ import torch
 from pipeline.models import store
 from pipeline.models.base import CausalLM
 from pipeline.models.loader import load_model
-from tests.support.models import make_tiny_gpt2, make_tiny_llama
 from tests.support import ROOT
+from tests.support.models import make_tiny_gpt2, make_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 

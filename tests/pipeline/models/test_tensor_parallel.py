@@ -12,11 +12,20 @@ import signal
 import pytest
 import torch
 
-from tests.support.tp import (
-    LONG, MAX_LEN, SLOTS, compare_ranks, leader_lost, long_prompt, make_odd_llama, script, spawn, wait_file,
-)
 from pipeline.models.llama import LlamaArgs
 from pipeline.models.tensor_parallel import Slice, even_split, head_partition, make_plan, num_parameters, shard_slice
+from tests.support.tp import (
+    LONG,
+    MAX_LEN,
+    SLOTS,
+    compare_ranks,
+    leader_lost,
+    long_prompt,
+    make_odd_llama,
+    script,
+    spawn,
+    wait_file,
+)
 
 RTOL = 2e-5  # float32, relative to the largest logit: TP only changes the order of the sums (measured: 2e-6 to
 # 7e-7 of the largest logit on the tiny models, 6e-5 absolute on the demo target's logits)
