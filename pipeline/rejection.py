@@ -36,7 +36,8 @@ class DraftBlock:
 
     token_ids: torch.Tensor  # [B, K] int64
     num_draft: torch.Tensor  # [B] int64, 0 <= num_draft <= K
-    top_ids: torch.Tensor | None = None  # [B, K, k] int64: support of the draft distribution (an id listed twice adds up)
+    # [B, K, k] int64: support of the draft distribution (an id listed twice adds up)
+    top_ids: torch.Tensor | None = None
     top_probs: torch.Tensor | None = None  # [B, K, k] float32: its probabilities (rows sum to 1)
 
     @property

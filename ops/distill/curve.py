@@ -40,7 +40,8 @@ def main() -> None:
     ap.add_argument("--png", default=None)
     args = ap.parse_args()
     rows = load()
-    print("| run | drafter (cost/target) | data: answer tokens | answer tokens trained on | Spec-Bench dev | held-out |")
+    print("| run | drafter (cost/target) | data: answer tokens | answer tokens trained on | Spec-Bench dev "
+          "| held-out |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['run']} | {r['variant']} ({r['cost']:.3f}) | {r['data_answer_tokens'] / 1e6:.2f}M | "

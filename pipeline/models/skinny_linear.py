@@ -20,8 +20,8 @@ Rows past `MAX_ROWS` always take `F.linear`, and so do float32 weights under "au
 and verify (T = K+1) steps then run the same cuBLAS arithmetic as before, and its greedy tokens do not depend on
 whether speculation is on. Measured on an H100 with the demo target: once the kernel served the decode rows but
 not the verify rows, 32 concurrent greedy streams no longer gave identical tokens with and without speculation.
-Forced "triton" on float32 uses IEEE float32 products, not TF32. Inside `torch.compile` the kernel is the opaque custom op
-`specserve::skinny_linear`, so the compiled region around it (norms, activations) keeps fusing.
+Forced "triton" on float32 uses IEEE float32 products, not TF32. Inside `torch.compile` the kernel is the opaque
+custom op `specserve::skinny_linear`, so the compiled region around it (norms, activations) keeps fusing.
 """
 
 from __future__ import annotations

@@ -436,10 +436,11 @@ class TensorParallelRunner:
     Construction waits (barrier) for the followers to enter `follow()`, then opens the control channel with them
     (`tp_control.open_control`; `control`: "auto", the default, takes a Unix socket to each follower on this host,
     else gloo broadcasts; "socket" or "gloo" force one; `spin_ms`: how long followers poll for the next message
-    before they block, default None: `tp_control.DEFAULT_SPIN_MS` (20) on GPUs, 0 on CPU). Every `allocate`/`forward` is first sent to the followers
-    (one message: a header and the int64 inputs), then run on every rank. Inputs are checked here first, so a bad
-    call fails on rank 0 alone and never desynchronises the group. `heartbeat_s`: idle followers get a no-op this often (keep it well below
-    the control timeout). `on_failure(err)` runs once when the group breaks (serving: exit the process).
+    before they block, default None: `tp_control.DEFAULT_SPIN_MS` (20) on GPUs, 0 on CPU). Every
+    `allocate`/`forward` is first sent to the followers (one message: a header and the int64 inputs), then run on
+    every rank. Inputs are checked here first, so a bad call fails on rank 0 alone and never desynchronises the
+    group. `heartbeat_s`: idle followers get a no-op this often (keep it well below the control timeout).
+    `on_failure(err)` runs once when the group breaks (serving: exit the process).
     """
 
     def __init__(self, runner: Any, tp: TPContext, heartbeat_s: Optional[float] = 5.0,
