@@ -42,9 +42,9 @@ MIX = {
     "extraction": 0.05,
     "reasoning": 0.05,
 }
-# Decontamination (2026-11-26): templates that paraphrased Spec-Bench dev prompts were removed after the
-# shipped drafter's data was generated (see drafters/PROVENANCE.md): the follow-ups "Start every sentence
-# with the letter A", "only use four-word sentences", "Revise your previous response and add ...",
+# Decontamination: no template paraphrases a Spec-Bench dev prompt. The shipped drafter's data also came from
+# templates that did and that this builder leaves out (drafters/PROVENANCE.md): the follow-ups "Start every
+# sentence with the letter A", "only use four-word sentences", "Revise your previous response and add ...",
 # "Rewrite it as a limerick", the "travel to N countries" word problem and the "overtake in a race" puzzle.
 # `check_overlap` below flags any 8-gram shared with an evaluation file.
 FOLLOWUP_FRACTION = 0.35  # of the open-ended categories: ask a second turn after the target's answer

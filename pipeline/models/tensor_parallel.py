@@ -52,9 +52,9 @@ log = logging.getLogger(__name__)
 
 # Group sizes at which allreduce="auto" takes the fused layer's own all-reduce (pipeline.models.tp_fused) on the
 # graph path. Batch-1 decode, fused against the one-shot symmetric-memory kernel: 8B at TP=2, 3.71 vs 4.33 ms on
-# 2 H100s; 8B at TP=4, 2.81 vs 4.06 ms, and 70B at TP=4, 15.3 vs 19.0 ms, on 4 H100s (fused has since gained
-# 7-16%; docs/benchmarks.md). Before the chain-timed tuner, TP=4 was even on H100s and fused 31% slower on H200s
-# (not re-measured since). Other sizes (never measured on 8 GPUs) keep "symm".
+# 2 H100s; 8B at TP=4, 2.81 vs 4.06 ms, and 70B at TP=4, 15.3 vs 19.0 ms, on 4 H100s (docs/benchmarks.md;
+# "fused" is 7-16% faster than in those runs). On H200s the comparison was last made with the launch-alone
+# tuner (`kernel_timing`), where fused was 31% slower at TP=4. Other sizes (never measured on 8 GPUs) keep "symm".
 FUSED_AUTO_RANKS = (2, 4)
 
 # ----------------------------------------------------------------------------------------------------

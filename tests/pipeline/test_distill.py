@@ -1,4 +1,4 @@
-"""`specserve distill` (issue 8): the loop end to end on a tiny random target, its parts, and the shipped drafter."""
+"""`specserve distill`: the loop end to end on a tiny random target, its parts, and the shipped drafter."""
 
 from __future__ import annotations
 
