@@ -2,7 +2,7 @@
 
     python -m ops.tp_bench --out $OUT                        # 4 GPUs: 8B at TP=1,2,4 and 70B at TP=4
     python -m ops.tp_bench --out $OUT --sizes 1,2            # 2 GPUs: 8B at TP=1,2 (70B needs 4 cards)
-    torchrun --nproc_per_node 4 ops/tp_bench.py --out $OUT    # one size per launch (the table reads every
+    torchrun --nproc_per_node 4 -m ops.tp_bench --out $OUT    # one size per launch (the table reads every
                                                               # result already in --out, so TP=1 can come first)
     python -m ops.tp_bench --device cpu --shapes tiny --sizes 1,2 --out /tmp/tpb   # smoke test (gloo)
 
@@ -524,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
                         "steps")
     p.add_argument("--no-fp32-ref", action="store_true", help="skip the float32 TP=1 logits (needs 4 bytes/param)")
     p.add_argument("--timeline", type=int, default=0, metavar="REPS",
-                   help="profile REPS replays of the B=1 T=1 step kernel by kernel (ops/step_timeline.py; CUDA)")
+                   help="profile REPS replays of the B=1 T=1 step kernel by kernel (ops.step_timeline; CUDA)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="per (shape, N) launch")
     args = p.parse_args(argv)
     out = Path(args.out)
