@@ -419,7 +419,8 @@ class Coordinator:
         raise APIError("the target replicas kept failing", 503, type="server_error", code="target_unavailable")
 
     # -- persistence ---------------------------------------------------------------------------------------
-    def _persist(self, run: _Run, state: RequestState, expected_step: int, committed: list[int], event: StepEvent) -> None:
+    def _persist(self, run: _Run, state: RequestState, expected_step: int, committed: list[int],
+                 event: StepEvent) -> None:
         d = state.to_dict()
         args = (state.request_id, self.owner, expected_step, state.step, committed, d["emitted_chars"],
                 state.finish_reason, d["stats"], event.to_json())

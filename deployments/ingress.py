@@ -245,8 +245,8 @@ class OpenAIIngress:
                 yield event_id(rid, ev.i), chunk
                 if ev.finish and include_usage and ev.usage is not None:
                     u = ev.usage
-                    yield None, usage_chunk(kind, rid, created, model, usage(u["prompt_tokens"], u["completion_tokens"]),
-                                            ev.speculation or {})
+                    yield None, usage_chunk(kind, rid, created, model,
+                                            usage(u["prompt_tokens"], u["completion_tokens"]), ev.speculation or {})
             status = "ok"
         except asyncio.CancelledError:
             status = "cancelled"

@@ -285,7 +285,8 @@ def record_step(num_draft: Sequence[int], num_accepted: Sequence[int], step_seco
                             ("specserve_emitted_tokens_total", total_accepted + rows)):
             c[(name, None)] = c.get((name, None), 0.0) + value
         for label, p, a in by_position:
-            kp, ka = ("specserve_draft_position_proposed_total", label), ("specserve_draft_position_accepted_total", label)
+            kp = ("specserve_draft_position_proposed_total", label)
+            ka = ("specserve_draft_position_accepted_total", label)
             c[kp] = c.get(kp, 0.0) + p
             c[ka] = c.get(ka, 0.0) + a
         for n, count in enumerate(accepted):

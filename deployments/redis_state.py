@@ -144,8 +144,8 @@ class RequestStore:
     ) -> "RequestStore":
         """A store whose server answered PING, waiting up to `wait_s` for one that is (re)starting. The URL is asked
         again on every try: an embedded redis-server whose Serve replica is being replaced comes back on a new
-        port. (CI, once: the demo app's embedded server was gone seconds after it started, and three coordinator
-        replicas, each failing its first ping, failed the deployment before Serve had replaced the server.)"""
+        port. (Without the wait, coordinator replicas that start while the embedded server is being replaced each
+        fail their first ping, and the deployment fails before Serve has replaced the server.)"""
         deadline = time.monotonic() + wait_s
         while True:
             url = await get_url()

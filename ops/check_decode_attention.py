@@ -140,7 +140,8 @@ def main() -> int:
     t0 = time.perf_counter()
     print(f"card {torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     bf = torch.bfloat16
-    cases = [(bf, D, 4, T, B, ctx, None) for D in (128, 64) for T in (1, 5) for B in (1, 8, 16, 32, 64) for ctx in (512,)]
+    cases = [(bf, D, 4, T, B, ctx, None)
+             for D in (128, 64) for T in (1, 5) for B in (1, 8, 16, 32, 64) for ctx in (512,)]
     cases += [(bf, 128, 4, 1, B, 4096, None) for B in (1, 16)]
     cases += [(bf, 128, 4, 5, 16, 2048, 1024), (bf, 128, 4, 1, 1, 2048, 700)]  # sliding window
     cases += [(bf, 128, 8, 16, 4, 512, None), (bf, 64, 1, 1, 4, 300, None), (bf, 128, 3, 5, 3, 700, None)]
@@ -153,8 +154,8 @@ def main() -> int:
         try:
             rows.append(run_case(*c))
         except Exception as e:  # noqa: BLE001 - one failing shape must not hide the others
-            rows.append({"dtype": str(c[0]), "D": c[1], "G": c[2], "T": c[3], "B": c[4], "context": c[5], "window": c[6],
-                         "ok": False, "error": f"{type(e).__name__}: {e}"})
+            rows.append({"dtype": str(c[0]), "D": c[1], "G": c[2], "T": c[3], "B": c[4], "context": c[5],
+                         "window": c[6], "ok": False, "error": f"{type(e).__name__}: {e}"})
         r = rows[-1]
         print(f"[{time.perf_counter() - t0:5.1f}s] {r}", flush=True)
     sweeps = []
@@ -167,15 +168,17 @@ def main() -> int:
         sweeps += sweep(bf, 128, 4, 1, 1, 4096)
 
     f = lambda v, p=1: "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))  # noqa: E731
-    print("\n| dtype | D | G | T | B | context | window | S | splits | err | sdpa err | triton us | sdpa us | speedup | GB/s | ok |")
+    print("\n| dtype | D | G | T | B | context | window | S | splits | err | sdpa err | triton us | sdpa us "
+          "| speedup | GB/s | ok |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['dtype']} | {r['D']} | {r['G']} | {r['T']} | {r['B']} | {r['context']} | {f(r['window'])} | "
                   f"ERROR {r['error'][:150]} |")
             continue
-        print(f"| {r['dtype']} | {r['D']} | {r['G']} | {r['T']} | {r['B']} | {r['context']} | {f(r['window'])} | {r['S']} | "
-              f"{r['splits']} | {r['err']:.1e} | {r['ref_err']:.1e} | {f(r.get('us_triton'))} | {f(r.get('us_sdpa'))} | "
+        print(f"| {r['dtype']} | {r['D']} | {r['G']} | {r['T']} | {r['B']} | {r['context']} | {f(r['window'])} "
+              f"| {r['S']} | {r['splits']} | {r['err']:.1e} | {r['ref_err']:.1e} | {f(r.get('us_triton'))} "
+              f"| {f(r.get('us_sdpa'))} | "
               f"{f(r.get('speedup'), 2)} | {f(r.get('GBps'), 0)} | {'yes' if r['ok'] else 'NO'} |")
     if sweeps:
         print("\nsplit sweep (bf16, D 128, G 4, T 1; us per call in a 32-call graph):")

@@ -4,11 +4,11 @@
     python -m ops.check_skinny_linear [--out $OUT] [--rows 1,5,16] [--sets 8b,1b,8b-tp2,8b-tp4,70b-tp4]
     python -m ops.check_skinny_linear --sets demo --dtype float32 --rows 1,32,160   # the float32 demo target
 
-Per weight matrix of the model shapes (random, bf16 unless --dtype) and row count M: `skinny_linear.tune` times F.linear and
-every candidate configuration of the kernel as a captured chain of launches over copies of the weight (in a
-model the previous layer's weights have evicted this one from L2), median of 7. GB/s = weight bytes / time; "x copy" divides by
-the card's copy bandwidth (bytes read + written / time of a 4 GiB device-to-device copy). The best kernel and
-F.linear are both compared with a float64 product of the same inputs.
+Per weight matrix of the model shapes (random, bf16 unless --dtype) and row count M: `skinny_linear.tune` times
+F.linear and every candidate configuration of the kernel as a captured chain of launches over copies of the weight
+(in a model the previous layer's weights have evicted this one from L2), median of 7. GB/s = weight bytes / time;
+"x copy" divides by the card's copy bandwidth (bytes read + written / time of a 4 GiB device-to-device copy). The
+best kernel and F.linear are both compared with a float64 product of the same inputs.
 
 Exit status 1 when a kernel's error passes 2x F.linear's own error and `FLOOR` (1e-2 of the largest output for
 bf16/fp16, 1e-5 for float32).

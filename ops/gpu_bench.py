@@ -157,13 +157,14 @@ def bench_ours(shape: str, batches: list[int], Ts: list[int], context: int, eage
             step = time_fn(lambda: graph.forward(tokens, positions, slots))
             key = graph.shape_for(B, T, context)
             replay = time_fn(graph._graphs[key].graph.replay)
-            row = {"impl": "ours-graph", "model": shape, "B": B, "T": T, "ms": step["median_ms"], "p90_ms": step["p90_ms"],
-                   "replay_ms": replay["median_ms"], "bucket": key, "first_call_s": first_s,
+            row = {"impl": "ours-graph", "model": shape, "B": B, "T": T, "ms": step["median_ms"],
+                   "p90_ms": step["p90_ms"], "replay_ms": replay["median_ms"], "bucket": key, "first_call_s": first_s,
                    "attention": variant_label(attention, graph)}
             if B in eager_batches:
                 row["eager_ms"] = time_fn(lambda: runner.forward(tokens, positions, slots), iters=10)["median_ms"]
             rows.append(row)
-            log(f"ours[{variant_label(attention, graph)}] {shape} B={B} T={T}: {step['median_ms']:.3f} ms (replay {replay['median_ms']:.3f}, "
+            log(f"ours[{variant_label(attention, graph)}] {shape} B={B} T={T}: {step['median_ms']:.3f} ms "
+                f"(replay {replay['median_ms']:.3f}, "
                 f"eager {row.get('eager_ms', float('nan')):.2f}, first call {first_s:.1f} s)")
     graph = runner = None  # free the GPU memory before the next shape
     free()
@@ -240,8 +241,8 @@ def bench_hf_compiled(model, shape: str, B: int, Ts: list[int], context: int, de
         cache = _static_cache(model, B, context + 16)
         with torch.inference_mode():
             prompt = torch.randint(0, V, (B, context), device="cuda")
-            model(input_ids=prompt, use_cache=True, logits_to_keep=1, cache_position=torch.arange(context, device="cuda"),
-                  **{kw: cache})
+            model(input_ids=prompt, use_cache=True, logits_to_keep=1,
+                  cache_position=torch.arange(context, device="cuda"), **{kw: cache})
             tokens = torch.randint(0, V, (B, T), device="cuda")
             cache_position = torch.arange(context, context + T, device="cuda")
             position_ids = cache_position[None].expand(B, T)
@@ -366,8 +367,9 @@ def profile_breakdown(shape: str, cases: list[tuple[int, int]], context: int, at
         row = {"model": shape, "B": B, "T": T, "attention": variant_label(attention, graph),
                "classes": {k: {"ms": v[0], "kernels": v[1]} for k, v in classes.items()}}
         out.append(row)
-        log(f"profile[{variant_label(attention, graph)}] {shape} B={B} T={T}: " + ", ".join(f"{k} {v[0]:.2f} ms/{v[1]:.0f} kernels" for k, v in
-                                                         sorted(classes.items(), key=lambda kv: -kv[1][0])))
+        log(f"profile[{variant_label(attention, graph)}] {shape} B={B} T={T}: "
+            + ", ".join(f"{k} {v[0]:.2f} ms/{v[1]:.0f} kernels"
+                        for k, v in sorted(classes.items(), key=lambda kv: -kv[1][0])))
     del graph, runner
     free()
     return out
@@ -385,7 +387,8 @@ def run_steps(args, result: dict, save: Callable[[], None]) -> None:
     for shape, bs, ts in plan:
         for i, attention in enumerate(attentions):
             try:  # the eager runner does not depend on the graph attention: timed with the first variant only
-                rows += bench_ours(shape, bs, ts, args.context, eager_batches=[1] if i == 0 else [], attention=attention)
+                rows += bench_ours(shape, bs, ts, args.context, eager_batches=[1] if i == 0 else [],
+                                   attention=attention)
             except Exception:  # noqa: BLE001 - record and go on: the other numbers are still worth having
                 result.setdefault("errors", []).append(f"ours[{attention}] {shape}: {traceback.format_exc()}")
                 log(traceback.format_exc())
@@ -497,7 +500,8 @@ def checks(rows: list[dict], attention: str | None = None, suffix: str = "") -> 
 def steps_table(result: dict) -> str:
     rows = result.get("rows", [])
     lines = [f"card: {result['card']}; copy bandwidth {result['copy']['GBps']:.0f} GB/s; context {result['context']}",
-             "| model | B | T | attention | ours graph ms | floor ms | x floor | ours eager ms | HF eager ms | HF compiled ms |",
+             "| model | B | T | attention | ours graph ms | floor ms | x floor | ours eager ms | HF eager ms "
+             "| HF compiled ms |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     order = {a: i for i, a in enumerate(_attentions(rows))}
     # One row per (model, B, T) and attention variant of ours; HF-only shapes get one row (attention '-').
@@ -517,7 +521,8 @@ def steps_table(result: dict) -> str:
     for p in result.get("profile", []):
         lines.append(f"- GPU time of one captured step, {p['model']} B={p['B']} T={p['T']} "
                      f"[{p.get('attention', '-')}]: " + ", ".join(
-            f"{k} {v['ms']:.2f} ms ({v['kernels']:.0f} kernels)" for k, v in sorted(p["classes"].items(), key=lambda kv: -kv[1]["ms"])))
+            f"{k} {v['ms']:.2f} ms ({v['kernels']:.0f} kernels)"
+            for k, v in sorted(p["classes"].items(), key=lambda kv: -kv[1]["ms"])))
     for c in result.get("checks", []):
         state = "not measured" if c["met"] is None else ("MET" if c["met"] else "MISSED")
         lines.append(f"- {c['check']}: {f(c['value'], 3)} (target <= {c['limit']}): {state}")
@@ -631,8 +636,9 @@ def run_concurrent(folder: str, args) -> dict:
             out[name]["paired_ratio_median"] = statistics.median(ratios)
             out[name]["paired_ratio_range"] = [min(ratios), max(ratios)]
             # all rounds' tokens over all rounds' time, against the same for speculation off
-            out[name]["aggregate_ratio"] = (sum(r["tokens"] for r in runs[name]) / sum(r["seconds"] for r in runs[name])
-                                            / (sum(o["tokens"] for o in runs["off"]) / sum(o["seconds"] for o in runs["off"])))
+            out[name]["aggregate_ratio"] = (
+                sum(r["tokens"] for r in runs[name]) / sum(r["seconds"] for r in runs[name])
+                / (sum(o["tokens"] for o in runs["off"]) / sum(o["seconds"] for o in runs["off"])))
     gc_pause.stop()
     out["warmup"] = warm
     out["outputs_equal"] = outputs["off"] == outputs["fixed-K"] == outputs["adaptive-K"]
@@ -643,11 +649,12 @@ def run_concurrent(folder: str, args) -> dict:
 
 def concurrent_table(c: dict) -> str:
     warm = c.get("warmup")
-    lines = [f"{c['requests']} concurrent requests, max_tokens {c['max_tokens']}, {c['dtype']}, prompt lookup, K<={c['k']}, "
+    lines = [f"{c['requests']} concurrent requests, max_tokens {c['max_tokens']}, {c['dtype']}, prompt lookup, "
+             f"K<={c['k']}, "
              f"median of {c.get('repeats', 1)} rotated rounds; warm-up "
              + (f"{warm['captures']} graphs in {warm['seconds']:.1f} s" if warm else "off") + ":",
-             "| variant | tokens/s (median) | rounds | x off (paired median) | x off (all rounds) | tokens per target pass "
-             "| captures in rounds (s) | gc s |",
+             "| variant | tokens/s (median) | rounds | x off (paired median) | x off (all rounds) "
+             "| tokens per target pass | captures in rounds (s) | gc s |",
              "|---|---|---|---|---|---|---|---|"]
     for name in ("off", "fixed-K", "adaptive-K"):
         v = c.get(name)

@@ -147,7 +147,8 @@ def profile(args: argparse.Namespace) -> dict:
     finally:
         engine_mod.verify, engine_mod.accept = real["verify"], real["accept"]
         SamplingTensors.from_params = staticmethod(real["sampling"])
-    return {"shape": args.shape, "dtype": args.dtype, "drafter": args.drafter, "batch": args.batch, "prompt_len": args.prompt_len,
+    return {"shape": args.shape, "dtype": args.dtype, "drafter": args.drafter, "batch": args.batch,
+            "prompt_len": args.prompt_len,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "torch": torch.__version__, "rows": rows}
 

@@ -4,7 +4,7 @@
     rows = profile_replays(graph.replay, reps=10, n_layers=32)   # torch.profiler over the replays
     print(format_table(rows))
 
-`ops/tp_bench.py --timeline 10` runs it on every rank of each size at batch 1, T = 1 (rank 0's kernels are
+`python -m ops.tp_bench --timeline 10` runs it on every rank of each size at batch 1, T = 1 (rank 0's kernels are
 reported).
 
 Under programmatic dependent launch a kernel starts while the one before it is still running and waits inside

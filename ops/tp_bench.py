@@ -2,7 +2,7 @@
 
     python -m ops.tp_bench --out $OUT                        # 4 GPUs: 8B at TP=1,2,4 and 70B at TP=4
     python -m ops.tp_bench --out $OUT --sizes 1,2            # 2 GPUs: 8B at TP=1,2 (70B needs 4 cards)
-    torchrun --nproc_per_node 4 ops/tp_bench.py --out $OUT    # one size per launch (the table reads every
+    torchrun --nproc_per_node 4 -m ops.tp_bench --out $OUT    # one size per launch (the table reads every
                                                               # result already in --out, so TP=1 can come first)
     python -m ops.tp_bench --device cpu --shapes tiny --sizes 1,2 --out /tmp/tpb   # smoke test (gloo)
 
@@ -247,7 +247,8 @@ def bench_rank(rank: int, world: int, init_method: str, shape: str, args: argpar
                 if entry is not None and entry.graph is not None:
                     row["replay_ms"] = time_fn(entry.graph.replay, cuda, iters=args.iters)["median_ms"]
                 if B == 1 and T == 1 and vi == 0:
-                    row["eager_ms"] = time_fn(lambda: runner.forward(tokens, positions, slots), cuda, iters=10)["median_ms"]
+                    eager = time_fn(lambda: runner.forward(tokens, positions, slots), cuda, iters=10)
+                    row["eager_ms"] = eager["median_ms"]
                 if B == 1:  # each step waited for, as a serving step is: the host work it exposes
 
                     def synced() -> None:
@@ -427,16 +428,17 @@ def table(out: Path) -> str:
     any_rec = next(iter(recs.values()))
     lines = [f"card: {any_rec['card']}; torch {any_rec['torch']}; copy bandwidth per card "
              f"{f(any_rec['copy_GBps'], 0)} GB/s",
-             "| model | TP | all-reduce | B | T | step ms | x TP=1 | floor ms | x floor | replay ms | synced ms | driven ms "
-             "| eager ms |",
+             "| model | TP | all-reduce | B | T | step ms | x TP=1 | floor ms | x floor | replay ms | synced ms "
+             "| driven ms | eager ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (shape, tp), rec in sorted(recs.items(), key=lambda kv: (list(SHAPES).index(kv[0][0]), kv[0][1])):
         for r in rec["rows"]:
             base = _row(recs, shape, 1, r["B"], r["T"])
             rel = r["ms"] / base["ms"] if base else None
             xf = r["ms"] / r["floor_ms"] if r.get("floor_ms") else None
-            lines.append(f"| {shape} | {tp} | {r.get('allreduce', '-')} | {r['B']} | {r['T']} | {f(r['ms'])} | {f(rel, 2)} | {f(r.get('floor_ms'))} |"
-                         f" {f(xf, 2)} | {f(r.get('replay_ms'))} | {f(r.get('synced_ms'))} | {f(r.get('driven_ms'))} |"
+            lines.append(f"| {shape} | {tp} | {r.get('allreduce', '-')} | {r['B']} | {r['T']} | {f(r['ms'])} "
+                         f"| {f(rel, 2)} | {f(r.get('floor_ms'))} | {f(xf, 2)} | {f(r.get('replay_ms'))} "
+                         f"| {f(r.get('synced_ms'))} | {f(r.get('driven_ms'))} |"
                          f" {f(r.get('eager_ms'), 2)} |")
     lines.append("")
     lines += [f"- {c['check']}: {f(c['value'])} (target {c['target']}): {c['state']}" for c in checks(out, recs)]
@@ -522,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
                         "steps")
     p.add_argument("--no-fp32-ref", action="store_true", help="skip the float32 TP=1 logits (needs 4 bytes/param)")
     p.add_argument("--timeline", type=int, default=0, metavar="REPS",
-                   help="profile REPS replays of the B=1 T=1 step kernel by kernel (ops/step_timeline.py; CUDA)")
+                   help="profile REPS replays of the B=1 T=1 step kernel by kernel (ops.step_timeline; CUDA)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="per (shape, N) launch")
     args = p.parse_args(argv)
     out = Path(args.out)

@@ -1,6 +1,6 @@
 """How long rank 0's message takes to reach the other ranks of a tensor-parallel group, per control channel
 (`pipeline.models.tp_control`): the part of a driven step (`TensorParallelRunner`) that the SPMD step of
-`ops/tp_bench.py` does not pay. CPU only: no GPU, no model.
+`ops.tp_bench` does not pay. CPU only: no GPU, no model.
 
     python -m ops.tp_control_bench --ranks 2,4 --kinds socket:0,socket:20,gloo
 

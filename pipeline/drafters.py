@@ -188,7 +188,8 @@ class ModelDrafter:
         if not self._free:
             victim = next((r for r in self._slots if r not in busy), None)
             if victim is None:
-                raise RuntimeError(f"a propose call of {len(busy)} rows exceeds the drafter's {self.model.num_slots} slots")
+                raise RuntimeError(f"a propose call of {len(busy)} rows exceeds the drafter's "
+                                   f"{self.model.num_slots} slots")
             self.release(victim)
         self._slots[request_id] = self._free.pop()
         self._fed[request_id] = []

@@ -338,5 +338,6 @@ def _graphs_on_cuda(model: CausalLM, weights: str = "model") -> CausalLM:
     """The static-shape graph runner for Llama-family models on a CUDA device; others unchanged. `weights`:
     `GraphConfig.weights` ('fp8' for a drafter's float8 copies; 'model': the model's own)."""
     if weights != "model" and torch.device(getattr(model, "device", "cpu")).type != "cuda":
-        raise ValueError(f"draft_weights={weights!r} needs the draft model on a CUDA device (it is a graph-path option)")
+        raise ValueError(f"draft_weights={weights!r} needs the draft model on a CUDA device "
+                         "(it is a graph-path option)")
     return graphs_on_cuda(model, GraphConfig(weights=weights) if weights != "model" else None)

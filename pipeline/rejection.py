@@ -9,7 +9,7 @@ Vocabulary, per request and per target pass:
 Output of a pass = accepted + (recovered | bonus): between 1 and num_draft + 1 tokens, distributed exactly
 as tokens sampled one by one from the (warped) target.
 
-The work is split where it runs (docs/ARCHITECTURE.md): `verify` next to the target's logits reduces the
+The work is split where it runs (docs/architecture.md): `verify` next to the target's logits reduces the
 [B, K+1, V] distributions to O(K) numbers per row (acceptance probabilities and one pre-drawn recovered
 or bonus token per position); `accept` turns those into the emitted tokens with the acceptance uniforms.
 Drawing a recovered token at every position in advance, each with independent randomness, and keeping
@@ -36,7 +36,8 @@ class DraftBlock:
 
     token_ids: torch.Tensor  # [B, K] int64
     num_draft: torch.Tensor  # [B] int64, 0 <= num_draft <= K
-    top_ids: torch.Tensor | None = None  # [B, K, k] int64: support of the draft distribution (an id listed twice adds up)
+    # [B, K, k] int64: support of the draft distribution (an id listed twice adds up)
+    top_ids: torch.Tensor | None = None
     top_probs: torch.Tensor | None = None  # [B, K, k] float32: its probabilities (rows sum to 1)
 
     @property

@@ -157,7 +157,7 @@ class RequestState:
     def context_view(self) -> "TokenView":
         """The context without a copy (O(1)): a live read-only view, for a step's own reads before it commits
         (building `context` for every row of every step costs O(length): about 2.4 us a row at 2k tokens,
-        `ops/bench_host_step.py`)."""
+        `python -m ops.bench_host_step`)."""
         return TokenView(self.prompt_ids, self.output_ids)
 
     @property

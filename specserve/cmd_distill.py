@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"as {SPEC_BENCH_DEV})")
     p.add_argument("--layers", type=_ints, default=(2,),
                    help="drafter depth; a list (e.g. 1,2,4) trains variants side by side and keeps the best")
-    p.add_argument("--draft-vocab", type=int, default=8192, help="output vocabulary rows (0 = target's full vocabulary)")
+    p.add_argument("--draft-vocab", type=int, default=8192,
+                   help="output vocabulary rows (0 = target's full vocabulary)")
     p.add_argument("--init-layers", default="first", choices=("first", "spread", "random"))
     p.add_argument("--init-from", default=None, help="start from this drafter folder (continue training)")
     p.add_argument("--select", default="speedup", choices=("speedup", "first"),
@@ -43,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gen-seconds", type=float, default=None, help="or stop generating after this long")
     p.add_argument("--max-new-tokens", type=int, default=256, help="answer length limit when generating data")
     p.add_argument("--sample-fraction", type=float, default=0.3, help="share of prompts answered by sampling")
-    p.add_argument("--gen-batch-tokens", type=int, default=1 << 20, help="rows x (prompt + new tokens) per generate call")
+    p.add_argument("--gen-batch-tokens", type=int, default=1 << 20,
+                   help="rows x (prompt + new tokens) per generate call")
     p.add_argument("--gen-max-batch", type=int, default=1024, help="rows per generate call")
     p.add_argument("--chunk-prompts", type=int, default=4096, help="prompts per data shard")
     p.add_argument("--gen-backend", default="runner", choices=("runner", "hf"),
@@ -101,7 +103,8 @@ def config_from_args(args: argparse.Namespace):  # -> DistillConfig
         eval_every=args.eval_every, ckpt_every=args.ckpt_every, eval_k=args.eval_k,
         eval_max_new_tokens=args.eval_max_new_tokens, device=device, dtype=dtype, eval_dtype="float32", seed=args.seed,
         gen_backend=args.gen_backend, gen_rows=args.gen_rows, gen_refill=args.gen_refill,
-        gen_graphs=_tristate(args.gen_graphs), gen_compile=_tristate(args.gen_compile), gen_attention=args.gen_attention,
+        gen_graphs=_tristate(args.gen_graphs), gen_compile=_tristate(args.gen_compile),
+        gen_attention=args.gen_attention,
         wall_seconds=args.wall_seconds, wall_reserve=args.wall_reserve,
     )
 

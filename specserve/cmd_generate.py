@@ -13,11 +13,13 @@ from typing import Any
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", required=True, help="the prompt text")
-    p.add_argument("--target", default=None, help="target model folder or .gguf (default: the demo SmolLM2-135M-Instruct)")
+    p.add_argument("--target", default=None,
+                   help="target model folder or .gguf (default: the demo SmolLM2-135M-Instruct)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--draft", default=None,
-                   help="drafter: a model folder, 'prompt-lookup', 'lookup+MODEL' (prompt lookup where the context matches, "
-                        "the model elsewhere), or 'default' (the project's default drafter)")
+                   help="drafter: a model folder, 'prompt-lookup', 'lookup+MODEL' "
+                        "(prompt lookup where the context matches, the model elsewhere), "
+                        "or 'default' (the project's default drafter)")
     g.add_argument("--no-draft", action="store_true", help="plain target decoding, no speculation")
     p.add_argument("-k", "--num-draft-tokens", type=int, default=4, help="K, tokens drafted per target pass")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -94,6 +96,7 @@ def _as_json(result: Any, draft: str | None) -> dict[str, Any]:
 
 
 def register(subparsers: Any) -> None:
-    p = subparsers.add_parser("generate", help="generate text with speculative decoding (in-process)", description=__doc__)
+    p = subparsers.add_parser("generate", help="generate text with speculative decoding (in-process)",
+                              description=__doc__)
     add_arguments(p)
     p.set_defaults(func=run)

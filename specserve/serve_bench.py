@@ -154,7 +154,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "itl_ms": summary_ms([g for r in rows for g in r["gaps"]])}
 
     result: dict[str, Any] = {
-        "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "target": target, "drafter": draft if model_part is None else draft.replace(model_path, Path(model_path).name),
+        "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "target": target,
+        "drafter": draft if model_part is None else draft.replace(model_path, Path(model_path).name),
         "k": args.num_draft_tokens, "max_tokens": args.max_tokens, "threads": args.threads, "prompts": len(prompts),
         "overlap": not args.no_overlap, "load_average_start": os.getloadavg(),
         "single": {"engine": agg(single["engine"]), "http": agg(single["http"]), "greedy_mismatches": mismatches,

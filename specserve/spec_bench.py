@@ -119,7 +119,8 @@ def run_bench(
     bar.close()
     return {
         "machine": machine(), "date": time.strftime("%Y-%m-%d"), "target": target_path, "draft": draft,
-        "k": k, "adaptive_k": adaptive_k, "dtype": dtype, "draft_weights": draft_weights, "max_tokens": max_tokens, "methods": methods, "records": records,
+        "k": k, "adaptive_k": adaptive_k, "dtype": dtype, "draft_weights": draft_weights, "max_tokens": max_tokens,
+        "methods": methods, "records": records,
         "summary": summarize(records, methods),
     }
 

@@ -25,7 +25,8 @@ def tiny_models(tmp_path_factory):
         "qwen2": dict(arch="qwen2", hidden=64, layers=2, heads=4, kv_heads=1, seed=2),
         "draft": dict(arch="llama", hidden=32, layers=1, heads=2, kv_heads=1, seed=3),
     }
-    return {name: make_tiny_llama(root / name, vocab_size=128, max_position_embeddings=512, **kw) for name, kw in specs.items()}
+    return {name: make_tiny_llama(root / name, vocab_size=128, max_position_embeddings=512, **kw)
+            for name, kw in specs.items()}
 
 
 @pytest.fixture(scope="session")

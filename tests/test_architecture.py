@@ -84,7 +84,8 @@ def test_no_module_loads_code_by_path_or_edits_sys_path():
 
 
 def test_tests_import_no_ops_script():
-    offenders = {_rel(p): ["ops"] for p in _sources("tests") if "ops" in _imports(p) and _rel(p) not in TESTS_MAY_RUN_OPS}
+    offenders = {_rel(p): ["ops"] for p in _sources("tests")
+                 if "ops" in _imports(p) and _rel(p) not in TESTS_MAY_RUN_OPS}
     assert not offenders, f"run ops/ scripts as subprocesses (python -m ops.NAME), do not import them: {offenders}"
 
 

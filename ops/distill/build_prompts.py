@@ -42,15 +42,16 @@ MIX = {
     "extraction": 0.05,
     "reasoning": 0.05,
 }
-# Decontamination (2026-11-26): templates that paraphrased Spec-Bench dev prompts were removed after the
-# shipped drafter's data was generated (see drafters/PROVENANCE.md): the follow-ups "Start every sentence
-# with the letter A", "only use four-word sentences", "Revise your previous response and add ...",
+# Decontamination: no template paraphrases a Spec-Bench dev prompt. The shipped drafter's data also came from
+# templates that did and that this builder leaves out (drafters/PROVENANCE.md): the follow-ups "Start every
+# sentence with the letter A", "only use four-word sentences", "Revise your previous response and add ...",
 # "Rewrite it as a limerick", the "travel to N countries" word problem and the "overtake in a race" puzzle.
 # `check_overlap` below flags any 8-gram shared with an evaluation file.
 FOLLOWUP_FRACTION = 0.35  # of the open-ended categories: ask a second turn after the target's answer
 
 SUMMARY_T = [
-    "Summarize: {p}", "Summarize the following text.\n\n{p}", "Summarize: {p}", "Summarize this in a few sentences:\n{p}",
+    "Summarize: {p}", "Summarize the following text.\n\n{p}", "Summarize: {p}",
+    "Summarize this in a few sentences:\n{p}",
     "Write a short summary of the passage below.\n\n{p}", "{p}\n\nSummarize the text above.",
     "TL;DR:\n{p}", "Give me the key points of this text:\n\n{p}", "Summarize: {p}",
     "Please summarize the following article in one paragraph:\n{p}", "Condense this into two or three sentences: {p}",
@@ -121,13 +122,15 @@ ROLEPLAY_T = [
     "Imagine you are {persona}. Tell me about {topic}.", "Role-play as {persona} for this conversation. {q}",
     "Embrace the role of {persona}. {q}",
 ]
-ROLEPLAY_Q = ["What do you think about {topic}?", "How was your day?", "What is your advice for someone new to {topic}?",
+ROLEPLAY_Q = ["What do you think about {topic}?", "How was your day?",
+              "What is your advice for someone new to {topic}?",
               "Why should I care about {topic}?", "Tell me a story from your life.", "What is your favorite {thing2}?",
               "Describe your typical morning.", "What scares you the most?"]
 CODE_TASKS = [
     "reverses a string", "checks whether a number is prime", "computes the factorial of n", "merges two sorted lists",
     "counts the words in a text file", "finds the largest element in a list", "removes duplicates from a list",
-    "checks if a string is a palindrome", "computes the Fibonacci sequence up to n", "sorts a list of dictionaries by a key",
+    "checks if a string is a palindrome", "computes the Fibonacci sequence up to n",
+    "sorts a list of dictionaries by a key",
     "reads a CSV file and prints the average of a column", "converts Celsius to Fahrenheit", "flattens a nested list",
     "finds the most common word in a text", "computes the greatest common divisor of two numbers",
     "validates an email address with a regular expression", "implements binary search", "transposes a matrix",
@@ -161,8 +164,10 @@ REASONING_T = [
     "If you have {a} apples and you give away {b}, then buy {c} more, how many do you have? Explain your reasoning.",
     "{n1} is taller than {n2}. {n2} is taller than {n3}. Who is the shortest? Explain.",
     "A bat and a ball cost ${a}.{b:02d} in total. The bat costs ${c} more than the ball. How much does the ball cost?",
-    "If it takes {a} machines {a} minutes to make {a} widgets, how long would it take {c} machines to make {c} widgets?",
-    "There are {a} people in a room. Each person shakes hands with every other person once. How many handshakes are there?",
+    "If it takes {a} machines {a} minutes to make {a} widgets, "
+    "how long would it take {c} machines to make {c} widgets?",
+    "There are {a} people in a room. Each person shakes hands with every other person once. "
+    "How many handshakes are there?",
     "What comes next in the sequence {a}, {s2}, {s3}, {s4}, ...? Explain the pattern.",
     "If all {x}s are {y}s and some {y}s are {z}s, can we conclude that some {x}s are {z}s? Explain.",
     "{n1} has {a} siblings. Each sibling has {b} children. How many nieces and nephews does {n1} have?",
@@ -171,7 +176,8 @@ FOLLOWUPS = [
     "Now make it shorter.",
     "Can you explain that in simpler words?", "Summarize your answer in one sentence.",
     "Rewrite your answer as a poem.", "Now translate your answer into German.", "Give me three more examples.",
-    "Rephrase it in a more formal tone.", "Now rewrite it for a five-year-old.", "What are the main weaknesses of your answer?",
+    "Rephrase it in a more formal tone.", "Now rewrite it for a five-year-old.",
+    "What are the main weaknesses of your answer?",
     "Turn your answer into a bulleted list.", "Can you expand on the second point?",
     "Why is that true?", "Give me a title for this.",
     "Please continue.", "Now do the same for a different topic of your choice.", "Add a conclusion to your response.",
@@ -183,7 +189,8 @@ NAMES = ["Jen", "Tom", "Maria", "Ahmed", "Li", "Sofia", "James", "Priya", "Carlo
 ITEMS = [("apple", "apples"), ("book", "books"), ("pencil", "pencils"), ("cookie", "cookies"), ("ticket", "tickets"),
          ("shirt", "shirts"), ("egg", "eggs"), ("flower", "flowers"), ("marble", "marbles"), ("card", "cards"),
          ("cupcake", "cupcakes"), ("toy car", "toy cars"), ("notebook", "notebooks"), ("sticker", "stickers"),
-         ("orange", "oranges"), ("sandwich", "sandwiches"), ("bottle of water", "bottles of water"), ("lemon", "lemons")]
+         ("orange", "oranges"), ("sandwich", "sandwiches"), ("bottle of water", "bottles of water"),
+         ("lemon", "lemons")]
 COUNTRIES = ["France", "Japan", "Brazil", "Kenya", "Canada", "Norway", "India", "Mexico", "Egypt", "Australia", "Peru",
              "Vietnam", "Germany", "Italy", "Spain", "Chile", "Ghana", "Poland", "Turkey", "Thailand", "Argentina"]
 ANIMALS = ["cat", "dog", "elephant", "dolphin", "owl", "horse", "penguin", "bee", "octopus", "giraffe", "wolf", "bat"]
@@ -206,19 +213,23 @@ def math_problem(rng: random.Random) -> str:
     hours, rate = rng.randint(2, 12), rng.choice([8, 10, 12, 15, 18, 20, 25])
     t = rng.randrange(24)
     problems = [
-        f"{n1} has {a} {items}. {n2} gives {n1} {b} more, and then {n1} gives away {c}. How many {items} does {n1} have now?",
+        f"{n1} has {a} {items}. {n2} gives {n1} {b} more, and then {n1} gives away {c}. "
+        f"How many {items} does {n1} have now?",
         f"{n1} buys {a} {items} at ${price} each. How much does {n1} spend in total?",
-        f"A store sells {items} for ${price} each. {n1} buys {b} of them and pays with a ${price * b + rng.choice([5, 10, 20])} bill. How much change does {n1} get?",
+        f"A store sells {items} for ${price} each. {n1} buys {b} of them and pays with a "
+        f"${price * b + rng.choice([5, 10, 20])} bill. How much change does {n1} get?",
         f"{n1} works {hours} hours a day for {c} days and earns ${rate} per hour. How much does {n1} earn?",
         f"There are {a} students in a class. {pct}% of them are girls. How many boys are there?",
         f"{n1} reads {b} pages a day. The book has {a * b} pages. How many days will it take {n1} to finish the book?",
         f"A train travels at {rate * 4} miles per hour for {hours} hours. How far does it travel?",
         f"{n1} is {a} years old. {n2} is {c} years older than twice {n1}'s age. How old is {n2}?",
-        f"{n1} baked {a * 2} {items}. {n1} ate {c} and shared the rest equally among {rng.choice([2, 3, 4])} friends. How many did each friend get? (Round down if needed.)",
+        f"{n1} baked {a * 2} {items}. {n1} ate {c} and shared the rest equally among {rng.choice([2, 3, 4])} "
+        f"friends. How many did each friend get? (Round down if needed.)",
         f"A rectangle is {a} cm long and {b} cm wide. What is its area and its perimeter?",
         f"{n1} saves ${price} every week. How many weeks does it take to save ${price * a}?",
         f"The price of a {item} was ${price * 10}. It is on sale for {pct}% off. What is the sale price?",
-        f"{n1} runs {c} miles on Monday, twice as far on Tuesday, and {b} miles on Wednesday. How many miles did {n1} run in total?",
+        f"{n1} runs {c} miles on Monday, twice as far on Tuesday, and {b} miles on Wednesday. "
+        f"How many miles did {n1} run in total?",
         f"A farmer has {a} chickens and {b} cows. How many legs are there in total?",
         f"{n1} had ${a * 10}. {n1} spent a quarter of it on a {item} and ${b} on lunch. How much money is left?",
         f"A recipe needs {c} eggs for {b} pancakes. How many eggs are needed for {b * 3} pancakes?",
@@ -240,7 +251,8 @@ class Builder:
     def __init__(self, seed: int, man_limit: int) -> None:
         self.rng = rng = random.Random(seed)
         t0 = time.time()
-        self.docs = sources.python_doc_sections() + sources.debian_reference_sections() + sources.man_pages(man_limit, rng)
+        self.docs = (sources.python_doc_sections() + sources.debian_reference_sections()
+                     + sources.man_pages(man_limit, rng))
         self.wordnet = sources.wordnet_entries()
         self.gcide = sources.gcide_entries(30000, rng)
         self.quotes_en = sources.fortunes("en")
@@ -313,8 +325,9 @@ class Builder:
                     person=rng.choice(PEOPLE), event=rng.choice(EVENTS))
             else:
                 head, body = rng.choice(self.gcide)
-                content = rng.choice(["{b}\n\nWhat does {h} mean in plain English?", "Explain this dictionary entry: {b}",
-                                      "Based on this definition, write a sentence using \"{h}\": {b}"]).format(b=body, h=head)
+                templates = ["{b}\n\nWhat does {h} mean in plain English?", "Explain this dictionary entry: {b}",
+                             "Based on this definition, write a sentence using \"{h}\": {b}"]
+                content = rng.choice(templates).format(b=body, h=head)
         elif category == "math":
             content = math_problem(rng)
         elif category == "writing":
@@ -341,7 +354,8 @@ class Builder:
                                                       s4=seq[3], x=x, y=y, z=z)
         else:
             raise ValueError(category)
-        if category in ("writing", "explain", "roleplay", "coding", "reasoning", "qa", "math") and rng.random() < FOLLOWUP_FRACTION:
+        if (category in ("writing", "explain", "roleplay", "coding", "reasoning", "qa", "math")
+                and rng.random() < FOLLOWUP_FRACTION):
             followups.append(rng.choice(FOLLOWUPS))
         return {"category": category, "messages": [{"role": "user", "content": content}], "followups": followups}
 
@@ -356,7 +370,8 @@ def tokenize(rows: list[dict], tokenizer_path: str, out: Path) -> None:
     tok = AutoTokenizer.from_pretrained(tokenizer_path)
     prompts = [prompt_from_row(r, tok) for r in rows]
     save_prompts(prompts, out)
-    print(f"tokenized {len(prompts)} prompts: {sum(len(p.ids) for p in prompts)} prompt tokens -> {out}", file=sys.stderr)
+    print(f"tokenized {len(prompts)} prompts: {sum(len(p.ids) for p in prompts)} prompt tokens -> {out}",
+          file=sys.stderr)
 
 
 def check_overlap(rows: list[dict], eval_path: str, n: int = 8) -> list[tuple]:

@@ -34,7 +34,8 @@ def main() -> None:
     draft, _ = load_model(args.draft)
     for m in (target, draft):
         m.allocate(1, args.context + 64)
-        m.forward(torch.randint(0, 8000, (1, args.context)), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+        m.forward(torch.randint(0, 8000, (1, args.context)), torch.zeros(1, dtype=torch.long),
+                  torch.zeros(1, dtype=torch.long))
     slot = torch.zeros(1, dtype=torch.long)
     pos = torch.tensor([args.context])
 

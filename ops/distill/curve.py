@@ -1,10 +1,13 @@
-"""The learning curve of the GPU runs: accepted tokens per target pass (K=4, greedy, teacher-forced) against
-answer tokens trained on, per drafter depth and data size. Reads ops/distill/runs/*/metrics.json.
+"""The learning curve of distillation runs: accepted tokens per target pass (K=4, greedy, teacher-forced) against
+answer tokens trained on, per drafter depth and data size.
 
-    python -m ops.distill.curve [--png ops/distill/runs/curve.png]
+    python -m ops.distill.curve --runs out/distill-runs [--png out/distill-runs/curve.png]
 
-Run 3 continues run 2's drafter: its x axis is shifted by run 2's tokens. Run 4 is the clean retrain (from the
-target, decontaminated prompts, 11M answer tokens from the runner backend): the shipped drafter.
+Reads `RUNS/NAME/metrics.json` (the file `specserve distill` writes into its output folder) for each run NAME in
+`ORDER`. The run folders are not part of the repository: put them under the folder given by `--runs` (default
+`out/distill-runs`, which git ignores). A run that continued another run's drafter names that run as its parent
+in `ORDER`; its x axis is shifted by the parent's tokens. run4-clean (from the target, decontaminated prompts,
+11M answer tokens from the runner backend) is the run that produced the shipped drafter.
 """
 
 from __future__ import annotations
@@ -13,15 +16,18 @@ import argparse
 import json
 from pathlib import Path
 
-RUNS = Path(__file__).resolve().parent / "runs"
+DEFAULT_RUNS = Path("out/distill-runs")
 ORDER = [("run1-variants", None), ("run2-L2", None), ("run3-L2-continued", "run2-L2"), ("run4-clean", None)]
 
 
-def load() -> list[dict]:
+def load(runs: Path) -> list[dict]:
     rows = []
     seen_end: dict[str, int] = {}
     for name, parent in ORDER:
-        m = json.loads((RUNS / name / "metrics.json").read_text())
+        path = runs / name / "metrics.json"
+        if not path.is_file():
+            raise SystemExit(f"{path}: no such file (--runs is the folder that holds one folder per run of ORDER)")
+        m = json.loads(path.read_text())
         offset = seen_end.get(parent, 0) if parent else 0
         data = m["data"]["answer_tokens"]
         for h in m["history"]:
@@ -36,11 +42,14 @@ def load() -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--png", default=None)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=Path, default=DEFAULT_RUNS,
+                    help="folder with one folder per run, each holding its metrics.json (default: %(default)s)")
+    ap.add_argument("--png", default=None, help="also plot the curve into this PNG file")
     args = ap.parse_args()
-    rows = load()
-    print("| run | drafter (cost/target) | data: answer tokens | answer tokens trained on | Spec-Bench dev | held-out |")
+    rows = load(args.runs)
+    print("| run | drafter (cost/target) | data: answer tokens | answer tokens trained on | Spec-Bench dev "
+          "| held-out |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['run']} | {r['variant']} ({r['cost']:.3f}) | {r['data_answer_tokens'] / 1e6:.2f}M | "

@@ -78,8 +78,9 @@ def main() -> None:
         return str(r["question_id"]) not in excluded and f"{r['question_id']}:{r['turn'] + 1}" not in excluded
 
     summary = summarize([r for r in records if keep(r)], args.k)
-    result = {"draft": args.draft, "k": args.k, "stride": args.stride, "temperature": args.temperature, "max_tokens": args.max_tokens,
-              "threads": args.threads, "date": time.strftime("%Y-%m-%d"), "excluded": sorted(excluded),
+    result = {"draft": args.draft, "k": args.k, "stride": args.stride, "temperature": args.temperature,
+              "max_tokens": args.max_tokens, "threads": args.threads, "date": time.strftime("%Y-%m-%d"),
+              "excluded": sorted(excluded),
               "summary": summary, "summary_all": summarize(records, args.k), "records": records}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

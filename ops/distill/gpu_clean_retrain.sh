@@ -14,15 +14,16 @@
 #           the runner backend (static step checked against the eager runner, a throughput probe), which
 #           also fills torch.compile's cache for the main call.
 # concurrent: reassembles the GGUF as main does, then runs `python -m ops.gpu_bench --part concurrent` for each of
-#           CONC_TOKENS (default "128 512") answer lengths (extra arguments go to gpu_bench.py).
+#           CONC_TOKENS (default "128 512") answer lengths (extra arguments go to ops.gpu_bench).
 # main:     reassembles and checks the GGUF, installs the carried gguf wheel, unpacks the prompts, and runs
-#           ops/distill/gpu_train.py within WALL_TOTAL seconds of this script's start (default 555), then
-#           packs the drafter into $OUT. Extra arguments are passed to gpu_train.py (later flags win).
+#           `python -m ops.distill.gpu_train` within WALL_TOTAL seconds of this script's start (default 555), then
+#           packs the drafter into $OUT. Extra arguments are passed to ops.distill.gpu_train (later flags
+#           win).
 # Environment: OUT (the device tool sets it), STASH_DIR (/tmp/ss), CLEAN_DIR (.carry/clean), WALL_TOTAL,
 # TRAIN_S (200), GEN_ROWS (512), TARGET (a model folder: skips the GGUF, for dry runs), PY (python3).
 set -uo pipefail
 START=$(date +%s)
-MODE=${1:?usage: gpu_clean_retrain.sh stash I | main [gpu_train.py flags...]}
+MODE=${1:?usage: gpu_clean_retrain.sh stash I | main [ops.distill.gpu_train flags...]}
 shift
 STASH=${STASH_DIR:-/tmp/ss}
 CLEAN=${CLEAN_DIR:-.carry/clean}
@@ -107,13 +108,13 @@ EOF
 cp "$LAST/manifest.json" "$OUT/manifest.json"
 export SPECSERVE_CACHE=$STASH/cache
 WALL=$(( ${WALL_TOTAL:-555} - $(elapsed) ))
-echo "starting gpu_train.py at $(elapsed) s, wall budget $WALL s"
+echo "starting ops.distill.gpu_train at $(elapsed) s, wall budget $WALL s"
 "$PY" -m ops.distill.gpu_train --pack-to "$OUT" --target "$TARGET" --out "$STASH/run" \
     --prompts "$STASH/prompts.npz" --eval-prompts "$LAST/spec_bench_dev.npz" \
     --layers 2 --draft-vocab 8192 --max-new-tokens 256 --sample-fraction 0.3 --chunk-prompts 4096 \
     --gen-tokens 1000000000 --gen-rows "${GEN_ROWS:-512}" --train-seconds "${TRAIN_S:-200}" --lr 1e-3 \
     --eval-every 250 --seed 0 --wall-seconds "$WALL" --wall-reserve 45 "$@" 2>&1 | tee "$OUT/train.log"
 rc=${PIPESTATUS[0]}
-echo "gpu_train.py exit $rc; total $(elapsed) s" | tee -a "$OUT/train.log"
+echo "ops.distill.gpu_train exit $rc; total $(elapsed) s" | tee -a "$OUT/train.log"
 ls -la "$OUT"
 exit "$rc"

@@ -24,7 +24,8 @@ from pipeline.distill.run import distill, summary_table
 
 def main() -> None:
     config_path, prompts, eval_prompts, out = sys.argv[1:5]
-    print(f"torch {torch.__version__} transformers {transformers.__version__} {torch.cuda.get_device_name()}", flush=True)
+    print(f"torch {torch.__version__} transformers {transformers.__version__} {torch.cuda.get_device_name()}",
+          flush=True)
     cfg_dict = json.loads(Path(config_path).read_text())
     cfg_dict.pop("transformers_version", None)
     config = transformers.LlamaConfig(**cfg_dict)
@@ -62,8 +63,9 @@ def main() -> None:
     m = distill(cfg)
     print(summary_table(m))
     print("timings", m["timings"], "steps", m["steps"], "data", m["data"], flush=True)
-    Path(out, "smoke_summary.json").write_text(json.dumps({"probes": probes, "timings": m["timings"], "steps": m["steps"],
-                                                           "data": m["data"], "cost": m["cost_ratio"]}, indent=2))
+    summary = {"probes": probes, "timings": m["timings"], "steps": m["steps"], "data": m["data"],
+               "cost": m["cost_ratio"]}
+    Path(out, "smoke_summary.json").write_text(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":

@@ -83,7 +83,8 @@ def main() -> None:
     table = summary_table(metrics)
     packed = pack(Path(cfg.out), dest, args.pack_mb)
     curve = "\n".join(
-        f"step {h['step']:5d} tokens {h['tokens_seen']:>10d} answer_tokens {h['answer_tokens_seen']:>10d}  " + "  ".join(
+        f"step {h['step']:5d} tokens {h['tokens_seen']:>10d} answer_tokens {h['answer_tokens_seen']:>10d}  "
+        + "  ".join(
             f"{n}:" + ",".join(f"{s}={r['tokens_per_pass']:.3f}" for s, r in ev.items()) for n, ev in h["eval"].items())
         for h in metrics["history"])
     text = (f"{table}\n\ncurve:\n{curve}\n\ncoverage {metrics['coverage']}\ncost {metrics['cost_ratio']}\n"

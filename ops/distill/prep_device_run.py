@@ -87,7 +87,8 @@ def main() -> None:
     ap.add_argument("--eval", default=str(SPEC_BENCH_DEV),
                     help="evaluation prompts (tokenized here; evaluated on, never trained on)")
     ap.add_argument("--gguf", default=None, help="the demo target's GGUF (default: the model store's copy)")
-    ap.add_argument("--wheel", default=None, help="the gguf wheel (not on the GPU image; default: .carry/gpu5w/gguf-*.whl)")
+    ap.add_argument("--wheel", default=None,
+                    help="the gguf wheel (not on the GPU image; default: .carry/gpu5w/gguf-*.whl)")
     ap.add_argument("--target", default=None, help="tokenizer folder for the evaluation prompts (default: the demo)")
     ap.add_argument("--out", default=".carry/clean")
     ap.add_argument("--margin-mib", type=float, default=2.0, help="room left in every call for files added later")
@@ -108,7 +109,8 @@ def main() -> None:
     extras.mkdir(parents=True)
     prompts = Path(args.prompts)
     pinfo = compress_prompts(prompts, extras / "prompts.npz.xz")
-    meta_path = Path(args.prompts_meta) if args.prompts_meta else prompts.with_name(prompts.name.split(".")[0] + ".meta.json")
+    meta_path = (Path(args.prompts_meta) if args.prompts_meta
+                 else prompts.with_name(prompts.name.split(".")[0] + ".meta.json"))
     if meta_path.exists():
         pinfo["builder"] = json.loads(meta_path.read_text())
     log_path = Path(args.build_log) if args.build_log else prompts.with_name("build.log")
@@ -145,8 +147,8 @@ def main() -> None:
     manifest = {
         "gguf": {"name": gguf.name, "bytes": size, "sha256": sha256(gguf), "parts": parts},
         "prompts": pinfo,
-        "eval": {"file": "spec_bench_dev.npz", "source": Path(args.eval).name, "sha256": sha256(out / f"call{n}" / "spec_bench_dev.npz"),
-                 "use": "evaluation only, never training"},
+        "eval": {"file": "spec_bench_dev.npz", "source": Path(args.eval).name,
+                 "sha256": sha256(out / f"call{n}" / "spec_bench_dev.npz"), "use": "evaluation only, never training"},
         "wheel": wheel.name,
         "calls": n,
         "tree_bytes": tree,
@@ -157,7 +159,8 @@ def main() -> None:
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
 
     lines = [f"# {n} device calls on one machine, each issued right after the last returns (the machine stays warm",
-             "# ~30 s between calls; /tmp survives only while it does). Rerun this script right before: it checks sizes.", ""]
+             "# ~30 s between calls; /tmp survives only while it does). "
+             "Rerun this script right before: it checks sizes.", ""]
     for i in range(1, n + 1):
         carried = sum(f.stat().st_size for f in (out / f"call{i}").iterdir())
         total = tree + carried
@@ -171,7 +174,8 @@ def main() -> None:
         lines.append(f"# call {i}/{n}: tree {tree / 2**20:.1f} MiB + carried {carried / 2**20:.1f} MiB = "
                      f"{total / 2**20:.1f} MiB (limit 64)")
         # No `kind`: every call keeps the machine the first got (naming another kind would give it back).
-        lines.append(json.dumps({"command": cmd, "carry": [f"{os.path.relpath(out, ROOT)}/call{i}"], "timeout_s": timeout}))
+        carry = [f"{os.path.relpath(out, ROOT)}/call{i}"]
+        lines.append(json.dumps({"command": cmd, "carry": carry, "timeout_s": timeout}))
         lines.append("")
     (out / "COMMANDS.txt").write_text("\n".join(lines))
     print("\n".join(lines))

@@ -190,7 +190,8 @@ def load_draft_model(folder: str | Path, device: str | torch.device = "cpu",
     return DraftModel(lm, vocab[0], vocab[1]).to(device)
 
 
-def load_hf_assistant(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Any:
+def load_hf_assistant(folder: str | Path, device: str | torch.device = "cpu",
+                      dtype: torch.dtype = torch.float32) -> Any:
     """The drafter as a plain HF model over the target's full vocabulary, for `generate(assistant_model=...)`:
     inputs are mapped to rows, outputs scattered back to target ids (-inf elsewhere)."""
     from transformers import AutoConfig, AutoModelForCausalLM

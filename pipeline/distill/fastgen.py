@@ -360,8 +360,8 @@ class RunnerGenerator:
         static = self.model.forward(toks[:, length:], pos, slots)[:, -1].float()
         rel = float((eager - static).norm() / eager.norm().clamp_min(1e-12))
         agree = float((eager.argmax(-1) == static.argmax(-1)).float().mean())
-        return {"ok": rel <= 0.05 and agree >= 0.9, "checked": n, "rel_err": round(rel, 6), "argmax_agree": round(agree, 4),
-                "static": True}
+        return {"ok": rel <= 0.05 and agree >= 0.9, "checked": n, "rel_err": round(rel, 6),
+                "argmax_agree": round(agree, 4), "static": True}
 
     def release(self) -> None:
         """Free the KV cache (and captured graphs) now."""
@@ -452,7 +452,8 @@ class RunnerGenerator:
                 dt = time.perf_counter() - t0
                 st = b.stats
                 progress(f"data shard {chunk.index}: {len(s)} samples, {s.response_tokens} answer tokens; "
-                         f"{state['generated']} generated in {dt:.1f} s ({state['generated'] / max(dt, 1e-9):.0f} tok/s, "
+                         f"{state['generated']} generated in {dt:.1f} s "
+                         f"({state['generated'] / max(dt, 1e-9):.0f} tok/s, "
                          f"{1000 * st.decode_s / max(st.steps, 1):.2f} ms/step, occupancy "
                          f"{st.decode_tokens / max(st.row_steps, 1):.2f}, prefill {st.prefill_s:.1f} s)")
             return None

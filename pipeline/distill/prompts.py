@@ -24,7 +24,8 @@ class Prompt:
     category: str
 
 
-def encode_chat(tokenizer: Any, messages: list[dict], followup: str | None = None) -> tuple[list[int], list[int] | None]:
+def encode_chat(tokenizer: Any, messages: list[dict],
+                followup: str | None = None) -> tuple[list[int], list[int] | None]:
     """Token ids of `messages` with the generation prompt, and of the follow-up segment (or None).
 
     The follow-up segment is what the chat template puts between the assistant's answer text and the
@@ -113,7 +114,8 @@ def spec_bench_prompts(path: str | Path, tokenizer: Any) -> list[Prompt]:
             continue
         row = json.loads(line)
         turns = row["turns"]
-        ids, follow = encode_chat(tokenizer, [{"role": "user", "content": turns[0]}], turns[1] if len(turns) > 1 else None)
+        ids, follow = encode_chat(tokenizer, [{"role": "user", "content": turns[0]}],
+                                  turns[1] if len(turns) > 1 else None)
         out.append(Prompt(ids, follow, row["category"]))
     return out
 

@@ -67,7 +67,8 @@ def _runner_generator(cfg: DistillConfig, folder: Path, device: torch.device, ma
 
     tries = [dict(graphs=cfg.gen_graphs, compile=cfg.gen_compile, attention=cfg.gen_attention)]
     if device.type == "cuda" and cfg.gen_graphs is not False:
-        tries += [dict(graphs=True, compile=False, attention="sdpa"), dict(graphs=False, compile=False, attention="sdpa")]
+        tries += [dict(graphs=True, compile=False, attention="sdpa"),
+                  dict(graphs=False, compile=False, attention="sdpa")]
     last: Exception | None = None
     for kw in tries:
         gen = None
@@ -77,7 +78,8 @@ def _runner_generator(cfg: DistillConfig, folder: Path, device: torch.device, ma
                                        refill_min=cfg.gen_refill or None, **kw)
             check = gen.self_check(probe)
             say(f"generation backend: runner {kw}, {cfg.gen_rows} rows x {gen.max_len} positions, static step "
-                f"{'on' if gen.static else 'off'}; check against the eager runner {check} ({time.perf_counter() - t0:.1f} s)")
+                f"{'on' if gen.static else 'off'}; check against the eager runner {check} "
+                f"({time.perf_counter() - t0:.1f} s)")
             if check["ok"]:
                 return gen
             last = RuntimeError(f"static step disagrees with the eager runner: {check}")
@@ -214,7 +216,8 @@ def distill(cfg: DistillConfig, progress: Callable[[str], None] | None = None) -
         use_reduced = token_ids is not None
         if use_reduced and len(token_ids) != cfg.draft_vocab:
             raise ValueError(f"--init-from {cfg.init_from} has {len(token_ids)} draft tokens, not {cfg.draft_vocab}")
-    cov_sizes = sorted({s for s in (1024, 2048, 4096, 8192, 16384, 32768) if s < vocab_size} | {cfg.draft_vocab or vocab_size})
+    cov_sizes = sorted({s for s in (1024, 2048, 4096, 8192, 16384, 32768) if s < vocab_size}
+                       | {cfg.draft_vocab or vocab_size})
     cov = {"train_answers": coverage(counts, cov_sizes)}
     if token_ids is not None:
         keep = torch.zeros(vocab_size, dtype=torch.bool)
@@ -222,7 +225,8 @@ def distill(cfg: DistillConfig, progress: Callable[[str], None] | None = None) -
         for name, (s, _) in eval_sets.items():
             ans = [s.seq(i)[s.prompt_lens[i]:] for i in range(len(s))]
             n = sum(len(a) for a in ans)
-            cov[f"{name}_in_draft_vocab"] = round(sum(int(keep[torch.from_numpy(a.astype('int64'))].sum()) for a in ans) / max(n, 1), 4)
+            kept = sum(int(keep[torch.from_numpy(a.astype('int64'))].sum()) for a in ans)
+            cov[f"{name}_in_draft_vocab"] = round(kept / max(n, 1), 4)
     say(f"draft vocabulary: {cfg.draft_vocab if use_reduced else vocab_size} tokens; coverage {cov}")
 
     # 5. Drafter variants, trained side by side.
@@ -233,8 +237,9 @@ def distill(cfg: DistillConfig, progress: Callable[[str], None] | None = None) -
             v.lm.load_state_dict(init.lm.state_dict())
     t_cost = target_matmul_params(target)
     cost = {n: round(v.matmul_params() / t_cost, 4) for n, v in variants.items()}
-    say("variants: " + ", ".join(f"{n} ({sum(p.numel() for p in v.parameters()) / 1e6:.1f}M params, cost ratio {cost[n]})"
-                                 for n, v in variants.items()))
+    say("variants: " + ", ".join(
+        f"{n} ({sum(p.numel() for p in v.parameters()) / 1e6:.1f}M params, cost ratio {cost[n]})"
+        for n, v in variants.items()))
     train_cfg = cfg
     if cfg.wall_seconds and cfg.train_seconds is not None:
         # Training gets what is left: about train_seconds when the data used its budget, more when the data ran

@@ -16,12 +16,12 @@ tail of its last wave), which at batch 1 is a large share of a small matrix's fe
 and all seven are Triton kernels launched with programmatic dependent launch where the GPU has it
 (`pipeline.models.pdl`): each one's launch and start-up overlaps its predecessor's epilogue.
 
-Measured on an H100 (`ops/gpu_bench.py --attention auto,kernels`; docs/benchmarks.md): batch-1 steps
+Measured on an H100 (`python -m ops.gpu_bench --attention auto,kernels`; docs/benchmarks.md): batch-1 steps
 3-9% faster than the unfused layer (8B decode 5.72 vs 6.09 ms, 1B-shaped drafter with a 32k vocabulary
 1.14 vs 1.24 ms, its 5-token verify 1.27 vs 1.31 ms); at batch 4-16 up to 2% slower, so the graph path takes
 it for batch-1 calls by default (`GraphConfig.fused_layer`). Without PDL it is about 1% slower than the
 unfused layer: fewer kernels alone do not pay, the small GEMVs' own ramp is the cost. Its linears alone, as a
-captured chain, stream at or near the bandwidth floor (`ops/linear_chain_bench.py`).
+captured chain, stream at or near the bandwidth floor (`python -m ops.linear_chain_bench`).
 
 The arithmetic rounds where the eager layer rounds (each linear's output, SiLU, the product, the residual
 sum), with float32 accumulation. The RMSNorm is the exception: x times the norm weight is rounded once and the
@@ -125,7 +125,7 @@ def _stages(M: int, block_n: int, block_k: int, gate: bool, itemsize: int) -> in
 def default_config(M: int, N: int, K: int, sm_count: int, gate: bool = False, itemsize: int = 2) -> FusedConfig:
     """32 columns a program while that still makes 0.7 programs per multiprocessor, else 16; the deepest K tile
     that divides K. (The best or within 2% of it for every linear of the 8B, 1B and 8B-at-TP=2 layers timed in
-    a chain on an H100: `ops/linear_chain_bench.py --configs`.)"""
+    a chain on an H100: `python -m ops.linear_chain_bench --configs`.)"""
     block_n = 32 if -(-N // 32) >= 0.7 * sm_count else 16
     block_k = _block_k(K)
     return FusedConfig(block_n, block_k, 4, _stages(M, block_n, block_k, gate, itemsize))

@@ -7,7 +7,7 @@ per BLOCK_N output columns over the whole depth K (no split, so the epilogue see
   sums are multiplied by the rows' 1/rms after the loop, computed in float32 by a pass over x then (it is small,
   and in L2; `_rstd_rows`). That is one rounding fewer than `graphs.rms_norm`'s `weight * (x * rstd).to(dtype)`
   and half the loop's per-element work, which is what a normed linear costs over a plain one (H100, 1B and 8B
-  batch-1 steps 0.5-2.5% faster than those eager roundings in the loop; `ops/linear_chain_bench.py`). (Summing
+  batch-1 steps 0.5-2.5% faster than those eager roundings in the loop; `python -m ops.linear_chain_bench`). (Summing
   the squares inside the main loop instead measured 4-17% slower: a reduction across threads per tile, or a
   second accumulator, costs more than re-reading x from L2);
 - x addressing: row m = (m // XT, m % XT) with strides (s_xb, s_xt), column k = (k // XD, k % XD) with
@@ -57,7 +57,7 @@ def _rstd_rows(X, M, K, XT, s_xb, s_xt, s_xj, eps, XD: tl.constexpr, M_PAD: tl.c
     """1 / rms of each of x's M rows, as [M_PAD] float32 (0 past M): a pass over x (small, and in L2) in
     [R_PAD, NORM_CHUNK] tiles, R_PAD = M rounded up to a power of two (no tensor-core product here, so no
     padding to 16 rows), NORM_CHUNK as wide as the registers allow: a few dependent L2 round trips, one for
-    K <= 8192 at one row (in [16, BLOCK_K] tiles it was K / BLOCK_K of them: 3.5 us more per kernel on an H100
+    K <= 8192 at one row (in [16, BLOCK_K] tiles it would be K / BLOCK_K of them: 3.5 us more per kernel on an H100
     at K = 4096; a row at a time, an estimated 1.2 us more per row)."""
     offs_r = tl.arange(0, R_PAD)
     offs_c = tl.arange(0, NORM_CHUNK)

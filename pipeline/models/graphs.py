@@ -457,7 +457,8 @@ class GraphCausalLM:
         tok_buf, pos_buf, slot_buf = self._bufs
         out = self._outs.get((Bb, Tb))
         if out is None:
-            out = self._outs[(Bb, Tb)] = torch.empty(Bb, Tb, self.runner.model.output.weight.shape[0], device=self.device)
+            vocab = self.runner.model.output.weight.shape[0]
+            out = self._outs[(Bb, Tb)] = torch.empty(Bb, Tb, vocab, device=self.device)
         args = (tok_buf[:Bb, :Tb], pos_buf[:Bb], slot_buf[:Bb], Sb, out)
         if not self.use_graphs:
             self._static_forward(*args)

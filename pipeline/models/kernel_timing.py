@@ -7,10 +7,9 @@ programmatic dependent launch), its weight streamed from memory because the laye
 of L2. `chain_ms` times a candidate the same way: a chain of launches captured in one graph, each over its own
 copy of the weight (`weight_copies`: enough copies that the chain outgrows L2).
 
-Timing one launch alone after a write that flushes L2, as the tuners did before, ranked the candidates
-differently from how they ran in a step: on an H100 it picked fused-layer configurations up to 37% slower there,
-and its picks changed from one process to the next (`ops/linear_chain_bench.py
---configs`).
+Timing one launch alone after a write that flushes L2 ranks the candidates differently from how they run in a
+step: on an H100 it picked fused-layer configurations up to 37% slower there, and its picks changed from one
+process to the next (`python -m ops.linear_chain_bench --configs`).
 """
 
 from __future__ import annotations

@@ -17,11 +17,11 @@ reduction kernel (docs/benchmarks.md). `skinny_linear_triton` is a split-K kerne
   CUDA, "auto" is "torch".
 
 Rows past `MAX_ROWS` always take `F.linear`, and so do float32 weights under "auto". A float32 model's decode (T = 1)
-and verify (T = K+1) steps then run the same cuBLAS arithmetic as before, and its greedy tokens do not depend on
-whether speculation is on. Measured on an H100 with the demo target: once the kernel served the decode rows but
-not the verify rows, 32 concurrent greedy streams no longer gave identical tokens with and without speculation.
-Forced "triton" on float32 uses IEEE float32 products, not TF32. Inside `torch.compile` the kernel is the opaque custom op
-`specserve::skinny_linear`, so the compiled region around it (norms, activations) keeps fusing.
+and verify (T = K+1) steps then run the same cuBLAS arithmetic, and its greedy tokens do not depend on whether
+speculation is on. Measured on an H100 with the demo target: with the kernel on the decode rows but not the verify
+rows, 32 concurrent greedy streams did not give identical tokens with and without speculation.
+Forced "triton" on float32 uses IEEE float32 products, not TF32. Inside `torch.compile` the kernel is the opaque
+custom op `specserve::skinny_linear`, so the compiled region around it (norms, activations) keeps fusing.
 """
 
 from __future__ import annotations

@@ -52,9 +52,9 @@ log = logging.getLogger(__name__)
 
 # Group sizes at which allreduce="auto" takes the fused layer's own all-reduce (pipeline.models.tp_fused) on the
 # graph path. Batch-1 decode, fused against the one-shot symmetric-memory kernel: 8B at TP=2, 3.71 vs 4.33 ms on
-# 2 H100s; 8B at TP=4, 2.81 vs 4.06 ms, and 70B at TP=4, 15.3 vs 19.0 ms, on 4 H100s (fused has since gained
-# 7-16%; docs/benchmarks.md). Before the chain-timed tuner, TP=4 was even on H100s and fused 31% slower on H200s
-# (not re-measured since). Other sizes (never measured on 8 GPUs) keep "symm".
+# 2 H100s; 8B at TP=4, 2.81 vs 4.06 ms, and 70B at TP=4, 15.3 vs 19.0 ms, on 4 H100s (docs/benchmarks.md;
+# "fused" is 7-16% faster than in those runs). On H200s the comparison was last made with the launch-alone
+# tuner (`kernel_timing`), where fused was 31% slower at TP=4. Other sizes (never measured on 8 GPUs) keep "symm".
 FUSED_AUTO_RANKS = (2, 4)
 
 # ----------------------------------------------------------------------------------------------------
@@ -436,10 +436,11 @@ class TensorParallelRunner:
     Construction waits (barrier) for the followers to enter `follow()`, then opens the control channel with them
     (`tp_control.open_control`; `control`: "auto", the default, takes a Unix socket to each follower on this host,
     else gloo broadcasts; "socket" or "gloo" force one; `spin_ms`: how long followers poll for the next message
-    before they block, default None: `tp_control.DEFAULT_SPIN_MS` (20) on GPUs, 0 on CPU). Every `allocate`/`forward` is first sent to the followers
-    (one message: a header and the int64 inputs), then run on every rank. Inputs are checked here first, so a bad
-    call fails on rank 0 alone and never desynchronises the group. `heartbeat_s`: idle followers get a no-op this often (keep it well below
-    the control timeout). `on_failure(err)` runs once when the group breaks (serving: exit the process).
+    before they block, default None: `tp_control.DEFAULT_SPIN_MS` (20) on GPUs, 0 on CPU). Every
+    `allocate`/`forward` is first sent to the followers (one message: a header and the int64 inputs), then run on
+    every rank. Inputs are checked here first, so a bad call fails on rank 0 alone and never desynchronises the
+    group. `heartbeat_s`: idle followers get a no-op this often (keep it well below the control timeout).
+    `on_failure(err)` runs once when the group breaks (serving: exit the process).
     """
 
     def __init__(self, runner: Any, tp: TPContext, heartbeat_s: Optional[float] = 5.0,

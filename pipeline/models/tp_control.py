@@ -19,8 +19,8 @@ Both detect the same failures: a follower blocked longer than the control timeou
 0's heartbeats keep an idle group alive), a closed peer raises at once (`ConnectionError`, or gloo's error),
 and the caller (`TensorParallelRunner`, `follow`) turns either into `TensorParallelError`.
 Measured on a 4x H100 host (docs/benchmarks.md): a message reaches the last of 3 followers in 67 us
-polling, 123 us blocking, 528 us over gloo (`ops/tp_control_bench.py`); a driven 8B TP=4 step takes 2.67 ms
-polling against 3.24 over gloo (`ops/tp_bench.py --control socket:20,gloo`).
+polling, 123 us blocking, 528 us over gloo (`python -m ops.tp_control_bench`); a driven 8B TP=4 step takes 2.67 ms
+polling against 3.24 over gloo (`python -m ops.tp_bench --control socket:20,gloo`).
 """
 
 from __future__ import annotations

@@ -21,14 +21,14 @@ buffers (below).
 
 Measured on 4x H100 (batch-1 decode, the Llama-3-8B shape; docs/benchmarks.md), against per-16-column
 release/acquire counters signalled by each producer program after its stores (the same logits to the bit): TP=2
-3.404 -> 3.225 ms, TP=4 2.21 -> 1.988 ms, 70B at TP=4 14.2 -> 13.5 ms. A system-scope release has to see the
-program's remote writes land before its atomics go out, so a signal follows the data instead of travelling with
-it. Also measured and not kept: summing in the producer itself (each program waits for its peers' twins; no reduce
-kernel): 2-3% slower at TP=2 and TP=4; the reduce letting the next kernel launch before its wait: 2-3% slower;
-summing the partials inside the next linear's RMSNorm prologue (no kernel): TP=2 5.52 against 3.44 ms, TP=4 5.34
-against 2.32 (every program of that linear polls the whole site). Against "symm" (`tp_allreduce`), "fused" was 14%
-faster at TP=2 and 31% at TP=4 before either change; `tensor_parallel_graphs(..., allreduce="auto")` takes it at 2
-and 4 ranks (`FUSED_AUTO_RANKS`).
+3.225 against 3.404 ms, TP=4 1.988 against 2.21 ms, 70B at TP=4 13.5 against 14.2 ms. A system-scope release has to
+see the program's remote writes land before its atomics go out, so a signal follows the data instead of travelling
+with it. Also measured and not kept: summing in the producer itself (each program waits for its peers' twins; no
+reduce kernel): 2-3% slower at TP=2 and TP=4; the reduce letting the next kernel launch before its wait: 2-3%
+slower; summing the partials inside the next linear's RMSNorm prologue (no kernel): TP=2 5.52 against 3.44 ms, TP=4
+5.34 against 2.32 (every program of that linear polls the whole site). Against "symm" (`tp_allreduce`), "fused" with
+the counters already measured 14% faster at TP=2 and 31% at TP=4; `tensor_parallel_graphs(..., allreduce="auto")`
+takes it at 2 and 4 ranks (`FUSED_AUTO_RANKS`).
 
 The logits stay a gather after the graph (`tensor_parallel.gather_vocab`). Gathering them here instead, from the
 output layer's epilogue into every rank's logits area with a waiting kernel at the end of the graph, was exact and
@@ -46,8 +46,8 @@ the replica.
 
 Ranks must run the same sequence of fused forwards (the SPMD lockstep the tensor-parallel runner keeps). The
 layout and the protocol are tested on CPU under Triton's interpreter with the ranks simulated in one process
-(tests/pipeline/models/test_kernels.py); across GPUs by `self_test` at start and `ops/tp_bench.py` (logits against
-TP=1).
+(tests/pipeline/models/test_kernels.py); across GPUs by `self_test` at start and `python -m ops.tp_bench` (logits
+against TP=1).
 """
 
 from __future__ import annotations

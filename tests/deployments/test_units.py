@@ -511,7 +511,8 @@ def test_pad_sparse_leaves_each_rows_distribution_unchanged():
     from pipeline.step import Draft, pack
 
     rows = [
-        Draft([5, 6], np.array([[5, 2, 9], [6, 7, 8]]), np.array([[0.5, 0.3, 0.2], [0.9, 0.05, 0.05]], dtype=np.float32)),
+        Draft([5, 6], np.array([[5, 2, 9], [6, 7, 8]]),
+              np.array([[0.5, 0.3, 0.2], [0.9, 0.05, 0.05]], dtype=np.float32)),
         Draft([4, 4], np.array([[4], [4]]), np.array([[1.0], [1.0]], dtype=np.float32)),
         Draft([3, 2]),  # point masses
     ]

@@ -162,7 +162,8 @@ def test_fp8_weights_give_the_bf16_fused_layer_where_float8_is_exact():
         m = random_llama(SMALL, dev, torch.bfloat16, seed=6)
         _fp8_exact_(m)
         runners[name] = GraphCausalLM(m, GraphConfig(fused_layer=True, weights=weights))
-    noisy = GraphCausalLM(random_llama(SMALL, dev, torch.bfloat16, seed=6), GraphConfig(fused_layer=True, weights="fp8"))
+    noisy = GraphCausalLM(random_llama(SMALL, dev, torch.bfloat16, seed=6),
+                          GraphConfig(fused_layer=True, weights="fp8"))
     eager = random_llama(SMALL, dev, torch.bfloat16, seed=6)
     g = torch.Generator().manual_seed(4)
     for m in (*runners.values(), noisy, eager):
@@ -213,7 +214,8 @@ def attention_runners(request):
     dev = torch.device("cuda")
     shape = replace(SMALL, sliding_window=request.param)
     kinds = ["sdpa"] + (["triton"] if HAS_TRITON else [])
-    graphs = {k: GraphCausalLM(random_llama(shape, dev, torch.bfloat16, seed=2), GraphConfig(compile=False, attention=k))
+    graphs = {k: GraphCausalLM(random_llama(shape, dev, torch.bfloat16, seed=2),
+                               GraphConfig(compile=False, attention=k))
               for k in kinds}
     eager = random_llama(shape, dev, torch.bfloat16, seed=2)
     ref32 = LlamaCausalLM(copy.deepcopy(eager.model).float(), eager.info)
@@ -245,7 +247,8 @@ def test_auto_attention_is_triton_on_cuda():
 @pytest.mark.parametrize("attention", ATTENTIONS)
 def test_greedy_speculative_on_graphs_equals_unbatched_eager_fp32(attention):
     dev = torch.device("cuda")
-    tiny = replace(SMALL, n_layers=2, dim=256, n_heads=8, n_kv_heads=2, head_dim=32, intermediate_size=512, vocab_size=512)
+    tiny = replace(SMALL, n_layers=2, dim=256, n_heads=8, n_kv_heads=2, head_dim=32, intermediate_size=512,
+                   vocab_size=512)
     draft_shape = replace(tiny, n_layers=1)
     prompts = [[5, 17, 33, 17, 33, 9], list(range(40, 70)), [100, 7], [9] * 14, [4, 4, 8, 15, 16, 23, 42]]
     max_tokens = [40, 9, 33, 5, 21]
@@ -278,7 +281,8 @@ def test_greedy_with_an_fp8_drafter_equals_the_float32_target():
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("float8 needs compute capability 8.9+")
     dev = torch.device("cuda")
-    tiny = replace(SMALL, n_layers=2, dim=256, n_heads=8, n_kv_heads=2, head_dim=32, intermediate_size=512, vocab_size=512)
+    tiny = replace(SMALL, n_layers=2, dim=256, n_heads=8, n_kv_heads=2, head_dim=32, intermediate_size=512,
+                   vocab_size=512)
     prompts = [[5, 17, 33, 17, 33, 9], list(range(40, 70)), [100, 7], [4, 4, 8, 15, 16, 23, 42]]
     params = [SamplingParams(max_tokens=m, ignore_eos=True, seed=0) for m in (40, 9, 33, 21)]
     ref_engine = SpeculativeEngine(random_llama(tiny, dev, torch.float32, seed=3), None, None,

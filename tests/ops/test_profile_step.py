@@ -11,8 +11,8 @@ from tests.support import ROOT
 
 
 def test_profile_step_on_cpu(tmp_path):
-    cmd = [sys.executable, "ops/profile_step.py", "--device", "cpu", "--batch", "2", "--ks", "0,2", "--prompt-len", "40",
-           "--warmup", "1", "--steps", "3", "--iters", "1", "--out", str(tmp_path)]
+    cmd = [sys.executable, "ops/profile_step.py", "--device", "cpu", "--batch", "2", "--ks", "0,2",
+           "--prompt-len", "40", "--warmup", "1", "--steps", "3", "--iters", "1", "--out", str(tmp_path)]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads((tmp_path / "profile_step_smollm2-135m_b2.json").read_text())

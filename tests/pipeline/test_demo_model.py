@@ -14,7 +14,8 @@ from pipeline.models.loader import load_model
 pytestmark = pytest.mark.slow
 
 PROMPTS = [
-    "Summarize: The quick brown fox jumps over the lazy dog. The dog did not react. The fox, the quick brown fox, ran away.",
+    "Summarize: The quick brown fox jumps over the lazy dog. The dog did not react. "
+    "The fox, the quick brown fox, ran away.",
     "List three prime numbers.",
 ]
 NEW = 24
@@ -27,7 +28,8 @@ def demo(demo_path):
     hf = AutoModelForCausalLM.from_pretrained(demo_path, dtype=torch.float32).eval()
     prompts = [engine.encode(p, chat=True) for p in PROMPTS]
     with torch.inference_mode():
-        ref = [hf.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False)[0, len(p):].tolist() for p in prompts]
+        ref = [hf.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False)[0, len(p):].tolist()
+               for p in prompts]
     return engine, prompts, ref
 
 

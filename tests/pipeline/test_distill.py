@@ -1,4 +1,4 @@
-"""`specserve distill` (issue 8): the loop end to end on a tiny random target, its parts, and the shipped drafter."""
+"""`specserve distill`: the loop end to end on a tiny random target, its parts, and the shipped drafter."""
 
 from __future__ import annotations
 
@@ -144,7 +144,8 @@ def test_distill_resumes_from_its_checkpoint_without_regenerating(distilled):
     again = distill(cfg, progress=lambda msg: None)
     assert again["resumed"] and again["steps"] == 6
     assert [s.stat().st_mtime_ns for s in shards] == stamps  # data reused, not regenerated
-    assert again["final"][again["selected"]]["heldout_greedy"] == metrics["final"][metrics["selected"]]["heldout_greedy"]
+    assert (again["final"][again["selected"]]["heldout_greedy"]
+            == metrics["final"][metrics["selected"]]["heldout_greedy"])
 
 
 def test_distilled_drafter_keeps_greedy_output_and_drafts_only_its_vocabulary(distilled):
@@ -231,10 +232,12 @@ def test_cli_registers_distill_with_its_flags():
     cfg = config_from_args(args)
     assert cfg.layers == (1, 2, 4) and cfg.draft_vocab == 4096 and cfg.dtype == "float32"
     assert cfg.gen_backend == "runner" and cfg.gen_graphs is None and cfg.wall_seconds is None
-    args = parser.parse_args(["distill", "--out", "x", "--gen-backend", "hf", "--gen-rows", "256", "--gen-graphs", "off",
-                              "--gen-attention", "sdpa", "--wall-seconds", "500", "--device", "cpu"])
+    args = parser.parse_args(["distill", "--out", "x", "--gen-backend", "hf", "--gen-rows", "256",
+                              "--gen-graphs", "off", "--gen-attention", "sdpa", "--wall-seconds", "500",
+                              "--device", "cpu"])
     cfg = config_from_args(args)
-    assert (cfg.gen_backend, cfg.gen_rows, cfg.gen_graphs, cfg.gen_attention, cfg.wall_seconds) == ("hf", 256, False, "sdpa", 500)
+    got = (cfg.gen_backend, cfg.gen_rows, cfg.gen_graphs, cfg.gen_attention, cfg.wall_seconds)
+    assert got == ("hf", 256, False, "sdpa", 500)
     with pytest.raises(SystemExit):
         parser.parse_args(["distill", "--out", "x", "--layers", "two"])
 

@@ -22,7 +22,8 @@ MAX_NEW = 24
 
 def _hf_greedy(path: str, prompt: list[int], max_new: int) -> list[int]:
     hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=None,
+                      pad_token_id=0)
     return out[0, len(prompt) :].tolist()
 
 
@@ -54,7 +55,8 @@ def hf_reference(tiny_models):
 @pytest.mark.parametrize("drafter", ["draft", "self", "lookup", None])
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_equals_hf_generate(tiny_models, hf_reference, target, drafter, k):
-    draft_path = {"draft": str(tiny_models["draft"]), "self": str(tiny_models[target]), "lookup": "lookup", None: None}[drafter]
+    draft_path = {"draft": str(tiny_models["draft"]), "self": str(tiny_models[target]), "lookup": "lookup",
+                  None: None}[drafter]
     engine = _engine(str(tiny_models[target]), draft_path)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     # Unbatched, then all prompts in one batch: both must equal HF token for token.
@@ -77,14 +79,16 @@ def test_sampled_output_reproducible_and_batch_invariant(tiny_models):
     again = [engine.generate(p, q, spec).token_ids for p, q in zip(PROMPTS, params)]
     batched = [r.token_ids for r in engine.generate_batch(PROMPTS, params, spec)]
     assert singles == again == batched
-    other = engine.generate(PROMPTS[0], SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, seed=99, ignore_eos=True), spec)
+    other = engine.generate(PROMPTS[0], SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, seed=99,
+                                                       ignore_eos=True), spec)
     assert other.token_ids != singles[0], "a different seed should give a different sample"
 
 
 def test_unseeded_request_reports_its_seed_and_replays(tiny_models):
     engine = _engine(str(tiny_models["llama"]), "lookup")
     first = engine.generate(PROMPTS[1], SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True))
-    replay = engine.generate(PROMPTS[1], SamplingParams(temperature=1.0, max_tokens=16, seed=first.seed, ignore_eos=True))
+    replay = engine.generate(PROMPTS[1], SamplingParams(temperature=1.0, max_tokens=16, seed=first.seed,
+                                                        ignore_eos=True))
     assert replay.token_ids == first.token_ids
 
 

@@ -43,7 +43,8 @@ GREEDY_TABLE = [
 def test_greedy_literal_table(draft_tokens, num_draft, argmaxes, expected, with_probs, fast):
     K = len(draft_tokens)
     sampling = SamplingTensors.from_params([SamplingParams(temperature=0.0, seed=0)])
-    top = dict(top_ids=torch.arange(V).expand(1, K, V).clone(), top_probs=torch.full((1, K, V), 1.0 / V)) if with_probs else {}
+    top = (dict(top_ids=torch.arange(V).expand(1, K, V).clone(), top_probs=torch.full((1, K, V), 1.0 / V))
+           if with_probs else {})
     draft = DraftBlock(torch.tensor([draft_tokens]), torch.tensor([num_draft]), **top)
     steps = torch.zeros(1, dtype=torch.int64)
     out = accept(verify(_greedy_logits([argmaxes]), draft, sampling, steps), draft, sampling.seeds, steps,
@@ -175,7 +176,8 @@ def test_warped_target_distribution_with_top_k_top_p():
     warped_draft = warp(draft.log()[None], sampling.select([0]))[0]  # [K, V]
     u = uniform(seeds, steps, Stream.DRAFT, K)
     d = sample_from_probs(warped_draft.expand(n, K, V).reshape(-1, V), u.reshape(-1)).view(n, K)
-    block = DraftBlock(d, torch.full((n,), K), torch.arange(V).expand(n, K, V).clone(), warped_draft.expand(n, K, V).clone())
+    block = DraftBlock(d, torch.full((n,), K), torch.arange(V).expand(n, K, V).clone(),
+                       warped_draft.expand(n, K, V).clone())
     out = accept(verify(logits.expand(n, K + 1, V), block, sampling, steps), block, seeds, steps)
     assert (warped_target[0] == 0).sum() >= 3, "the warp should have removed tokens"
     assert _pvalue(out.tokens[:, 0], warped_target[0]) > ALPHA
@@ -229,7 +231,8 @@ def test_a_support_listing_an_id_twice_adds_up():
 
     ids = torch.tensor([[[3, 1, 3, 3]]])  # [B=1, K=1, k=4]
     probs = torch.tensor([[[0.6, 0.4, 0.0, 0.0]]])
-    dense = _dense_draft_probs(DraftBlock(torch.tensor([[3]]), torch.tensor([1]), ids, probs), torch.tensor([[True]]), V)
+    block = DraftBlock(torch.tensor([[3]]), torch.tensor([1]), ids, probs)
+    dense = _dense_draft_probs(block, torch.tensor([[True]]), V)
     want = torch.zeros(V)
     want[3], want[1] = 0.6, 0.4
     torch.testing.assert_close(dense[0, 0], want)

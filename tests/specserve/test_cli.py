@@ -70,8 +70,8 @@ def test_fp8_draft_weights_are_refused_where_they_cannot_apply(tmp_path):
     _assert_one_line_error(_cli(*base, "--draft", "prompt-lookup"), "applies to a draft model")
     prompts = tmp_path / "prompts.jsonl"  # its own prompts: the default file may not be beside this checkout
     prompts.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["Say hi."]}) + "\n")
-    bench = ("bench", "--target", str(target), "--draft-weights", "fp8", "--methods", "engine-spec", "--per-category", "1",
-             "--prompts", str(prompts), "--out", str(tmp_path / "b"), "--no-progress")
+    bench = ("bench", "--target", str(target), "--draft-weights", "fp8", "--methods", "engine-spec",
+             "--per-category", "1", "--prompts", str(prompts), "--out", str(tmp_path / "b"), "--no-progress")
     _assert_one_line_error(_cli(*bench, "--draft", str(draft)), "needs the draft model on a CUDA device")
 
 

@@ -189,7 +189,8 @@ class LocalCluster:
                 .replace("18080", str(self.metrics_port))
                 .replace("ray start", f"{MARK_ENV}={self.id} ray start")
                 # Export metrics every second (default 10 s) so a scrape sees them sooner.
-                .replace("ray start --head", "ray start --head --system-config='{\"metrics_report_interval_ms\": 1000}'"))
+                .replace("ray start --head",
+                         "ray start --head --system-config='{\"metrics_report_interval_ms\": 1000}'"))
         config = yaml.safe_load(text)
         config["cluster_name"] = self.name
         self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))

@@ -91,7 +91,8 @@ def rope_case(torch, rw, B, T, H, Hkv, D, dtype_name) -> dict:
 
 
 def fused_case(torch, fl, mode, M, N, K, bias) -> dict:
-    """One mode of `fused_linear` in bf16 against the eager layer's own bf16 math (tests/pipeline/models/test_kernels.py)."""
+    """One mode of `fused_linear` in bf16 against the eager layer's own bf16 math
+    (tests/pipeline/models/test_kernels.py)."""
     got, want = _fused_run(torch, fl, mode, M, N, K, bias)
     assert got.shape == want.shape, (got.shape, want.shape)
     err = float((got.float() - want.float()).abs().max() / want.float().abs().max())

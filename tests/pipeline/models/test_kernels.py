@@ -216,7 +216,8 @@ def interpreted_results():
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (its CPU interpreter)")
 @pytest.mark.parametrize("case", [c[0] for c in cases.LINEAR_CASES + cases.ROPE_CASES + cases.FUSED_CASES]
-                         + cases.GRAPH_CASES + cases.PRELOAD_CASES + cases.GEMV_CASES + cases.FUSED_GRAPH_CASES + [c[0] for c in cases.TP_FUSED_CASES])
+                         + cases.GRAPH_CASES + cases.PRELOAD_CASES + cases.GEMV_CASES + cases.FUSED_GRAPH_CASES
+                         + [c[0] for c in cases.TP_FUSED_CASES])
 def test_kernel_matches_reference_in_the_interpreter(interpreted_results, case):
     r = interpreted_results[case]
     assert "error" not in r, r["error"]

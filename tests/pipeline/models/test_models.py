@@ -292,7 +292,8 @@ def test_demo_model_fast_path_matches_hf():
     seq, nxt = list(ids), int(out[-1].argmax())
     for _ in range(6):
         seq.append(nxt)
-        nxt = int(runner.forward(torch.tensor([[nxt]]), torch.tensor([len(seq) - 1]), torch.tensor([1]))[0, -1].argmax())
+        logits = runner.forward(torch.tensor([[nxt]]), torch.tensor([len(seq) - 1]), torch.tensor([1]))
+        nxt = int(logits[0, -1].argmax())
     hf_out = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids) :].tolist()
     assert seq[len(ids) :] == hf_out
     assert "Paris" in tokenizer.decode(hf_out)
