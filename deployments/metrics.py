@@ -143,7 +143,7 @@ class _Adapter:
 
 def _create(name: str) -> _Adapter:
     d = DEFS[name]
-    if _in_ray():
+    if _registry is None and _in_ray():  # a registry given with use_registry means prometheus_client, in Ray too
         from ray.serve import metrics as ray_metrics
 
         if d.kind == "counter":
