@@ -75,6 +75,7 @@ def _prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 def profile(args: argparse.Namespace) -> dict:
     import pipeline.engine as engine_mod
+    import pipeline.step as step_mod  # the step's verify and accept are looked up there at call time
     from pipeline.config import EngineConfig, SamplingParams, SpecParams
     from pipeline.drafters import PromptLookupDrafter
     from pipeline.models.shapes import SHAPES, random_llama
@@ -90,10 +91,10 @@ def profile(args: argparse.Namespace) -> dict:
     engine = engine_mod.SpeculativeEngine(model, None, None, config)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     acc: dict[str, float] = defaultdict(float)
-    real = {"verify": engine_mod.verify, "accept": engine_mod.accept, "target": engine.target.forward,
+    real = {"verify": step_mod.verify, "accept": step_mod.accept, "target": engine.target.forward,
             "sampling": SamplingTensors.from_params}
-    engine_mod.verify = _timed("verify", real["verify"], acc)
-    engine_mod.accept = _timed("accept", real["accept"], acc)
+    step_mod.verify = _timed("verify", real["verify"], acc)
+    step_mod.accept = _timed("accept", real["accept"], acc)
     SamplingTensors.from_params = staticmethod(_timed("sampling", real["sampling"], acc))
     shapes: Counter = Counter()
     fwd = real["target"]
@@ -145,7 +146,7 @@ def profile(args: argparse.Namespace) -> dict:
             for s, slot in zip(states, slots):
                 engine._retire(s, slot)
     finally:
-        engine_mod.verify, engine_mod.accept = real["verify"], real["accept"]
+        step_mod.verify, step_mod.accept = real["verify"], real["accept"]
         SamplingTensors.from_params = staticmethod(real["sampling"])
     return {"shape": args.shape, "dtype": args.dtype, "drafter": args.drafter, "batch": args.batch,
             "prompt_len": args.prompt_len,
