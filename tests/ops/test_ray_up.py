@@ -252,7 +252,7 @@ def test_load_scales_up_metrics_agree_then_scales_down(deployed):
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    config = loadgen.LoadConfig(url=d.url, model=d.model, concurrency=12, num_requests=400, duration_s=35,
+    config = loadgen.LoadConfig(url=d.url, model=d.model, concurrency=12, num_requests=400, duration_s=60,
                              max_tokens=96, ignore_eos=True, endpoint="completions", timeout_s=120)
     t = time.time()
     # Stop the load as soon as everything has scaled up (or the duration bound ends it).
@@ -260,7 +260,7 @@ def test_load_scales_up_metrics_agree_then_scales_down(deployed):
     runner = threading.Thread(target=lambda: holder.update(
         summary=loadgen.run(config, [[1, 2, 3, 4, 5, 6, 7, 8]], d.c.tmp / "load", progress=False)), daemon=True)
     runner.start()
-    stop.wait(60)
+    stop.wait(90)
     deadline = time.time() + 30
     while runner.is_alive() and time.time() < deadline:
         time.sleep(0.5)
