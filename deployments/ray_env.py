@@ -1,17 +1,26 @@
 """The environment a specserve process gives Ray: one place for the defaults every entry point applies.
 
-`RAY_AUTH_MODE=disabled`: specserve runs its local clusters without Ray's token authentication (a cluster
-that needs it sets the variable itself). `RAY_USAGE_STATS_ENABLED=0`: no usage reporting, and no prompt
-about it. Values already set in the environment win. The YAML and shell configs under ops/deploy/ and
-cluster.yaml set the same two variables for the processes they start.
+`RAY_AUTH_MODE=token`: Ray's token authentication, on for every Ray that specserve (or its tests) starts on this
+machine. Every Ray process then checks a shared secret on its gRPC and HTTP control-plane endpoints; `ray.init`
+generates the token on first use and keeps it in `~/.ray/auth_token` (or `$RAY_AUTH_TOKEN_PATH`, or takes
+`$RAY_AUTH_TOKEN`), where every later Ray process and CLI on this machine finds it. `RAY_USAGE_STATS_ENABLED=0`: no
+usage reporting, and no prompt about it. Values already set in the environment win: `RAY_AUTH_MODE=disabled` turns
+authentication off (needed where a process must join a cluster that runs without it).
+
+`LOCAL_NODE_IP`: the node address a local single-machine Ray is started with (`local_ray_init_options`): its GCS,
+raylet, object manager and worker endpoints then advertise (and, where Ray binds to the node address, listen on)
+loopback only. Ray's `ray up` clusters cannot use either default; cluster.yaml and ops/deploy/cluster-local.yaml say
+what they do instead.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping, MutableMapping
+from typing import Any
 
-RAY_DEFAULTS: Mapping[str, str] = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+RAY_DEFAULTS: Mapping[str, str] = {"RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
+LOCAL_NODE_IP = "127.0.0.1"
 
 
 def ray_environment(base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -29,3 +38,9 @@ def apply_ray_defaults(environ: MutableMapping[str, str] | None = None) -> None:
     target = os.environ if environ is None else environ
     for key, value in RAY_DEFAULTS.items():
         target.setdefault(key, value)
+
+
+def local_ray_init_options() -> dict[str, Any]:
+    """`ray.init` options for a Ray cluster started on this machine for this machine alone: node address 127.0.0.1
+    and no dashboard (its HTTP server and agent are not needed to serve)."""
+    return {"address": "local", "_node_ip_address": LOCAL_NODE_IP, "include_dashboard": False}

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any
 
-from deployments.ray_env import apply_ray_defaults
+from deployments.ray_env import apply_ray_defaults, local_ray_init_options
 
 
 def register(subparsers: Any) -> None:
@@ -111,11 +111,11 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as err:
         raise ValueError(f"invalid configuration: {err.errors()[0]['loc']}: {err.errors()[0]['msg']}") from None
 
-    from deployments.embedded_redis import RedisUnavailable, check_reachable, redact
+    from deployments.redis_conn import RedisUnavailable, check_reachable, redact
 
     if cfg.redis_url is not None:
         try:
-            check_reachable(cfg.redis_url)
+            check_reachable(cfg.redis_url, tls=cfg.redis_tls)
         except RedisUnavailable as err:
             raise ConnectionError(str(err)) from None
 
@@ -133,7 +133,9 @@ def run(args: argparse.Namespace) -> int:
     from deployments.app import build_app
 
     print("specserve: starting Ray and Serve ...", flush=True)
-    ray.init(address=args.address or "local", include_dashboard=False, logging_level="WARNING")
+    # A local Ray for this machine alone: node address 127.0.0.1, no dashboard, token authentication on (ray_env).
+    where = {"address": args.address, "include_dashboard": False} if args.address else local_ray_init_options()
+    ray.init(**where, logging_level="WARNING")
     stop, calm = threading.Event(), threading.Event()  # calm: signals only set `stop` (serving, or shutting down)
     got: list[int] = []  # the signals received
 
@@ -155,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         shown_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         url = f"http://{shown_host}:{args.port}"
         model = cfg.served_model_name or os.path.basename(cfg.target.model.rstrip("/"))
-        redis_where = redact(cfg.redis_url) if cfg.redis_url else "embedded"
+        redis_where = redact(cfg.redis_url) if cfg.redis_url else f"embedded, {cfg.embedded_redis_bind}, password"
         print(f"specserve: serving {model} at {url}  (drafter: {cfg.drafter.draft}, Redis: {redis_where})")
         print(f"  curl -N {url}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 32, \"stream\": true}}'")

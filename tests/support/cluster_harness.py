@@ -32,6 +32,9 @@ from deployments.ray_env import RAY_DEFAULTS, ray_environment
 from tests.support import ROOT
 
 MARK_ENV = "SPECSERVE_TEST_CLUSTER"
+# `ray up` clusters run without Ray's token authentication (ops/deploy/cluster-local.yaml says why): the CLI here, the
+# node's processes and the dashboard requests of the tests alike.
+CLUSTER_RAY_ENV = {**RAY_DEFAULTS, "RAY_AUTH_MODE": "disabled"}
 HOME = Path.home()
 
 STOP_SCRIPT = r'''
@@ -154,7 +157,7 @@ class LocalCluster:
             f'if [ "$1" = stop ]; then exec {sys.executable} {self.bin / "stop_cluster.py"} {self.id}; fi\n'
             f'exec {real_ray} "$@"\n')
         shim.chmod(0o755)
-        ray_vars = " ".join(f"{k}={v}" for k, v in RAY_DEFAULTS.items())
+        ray_vars = " ".join(f"{k}={v}" for k, v in CLUSTER_RAY_ENV.items())
         with open(HOME / ".bashrc", "a") as f:
             f.write(f"# >>> {self._marker} >>>\n"
                     f"export PATH={self.bin}:{venv_bin}:$PATH {ray_vars}\n"
@@ -220,7 +223,7 @@ class LocalCluster:
 
     # -- ray CLI ------------------------------------------------------------------------------------------
     def env(self) -> dict[str, str]:
-        return {**ray_environment(),
+        return {**ray_environment(), **CLUSTER_RAY_ENV,
                 "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
 
     def ray(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
