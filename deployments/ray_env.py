@@ -7,10 +7,13 @@ generates the token on first use and keeps it in `~/.ray/auth_token` (or `$RAY_A
 usage reporting, and no prompt about it. Values already set in the environment win: `RAY_AUTH_MODE=disabled` turns
 authentication off (needed where a process must join a cluster that runs without it).
 
-`LOCAL_NODE_IP`: the node address a local single-machine Ray is started with (`local_ray_init_options`): its GCS,
-raylet, object manager and worker endpoints then advertise (and, where Ray binds to the node address, listen on)
-loopback only. Ray's `ray up` clusters cannot use either default; cluster.yaml and ops/deploy/cluster-local.yaml say
-what they do instead.
+`LOCAL_RAY_DEFAULTS`: for a Ray that a specserve process starts for this machine alone (`specserve serve` without
+`--address`): `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` is Ray's one-machine mode (its default on macOS and Windows): the
+node address is 127.0.0.1 (Ray turns a `_node_ip_address` of 127.0.0.1 into the machine's external address
+otherwise), so its gRPC servers (GCS, raylet, object manager, workers), agents and metrics servers listen on loopback
+and no other machine can join. Serve's inter-deployment gRPC server in each replica still listens on every interface
+(Serve binds "[::]:0"): the token protects it. Ray's `ray up` clusters cannot use these defaults; cluster.yaml and
+ops/deploy/cluster-local.yaml say what they do instead.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 RAY_DEFAULTS: Mapping[str, str] = {"RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
-LOCAL_NODE_IP = "127.0.0.1"
+LOCAL_RAY_DEFAULTS: Mapping[str, str] = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
 def ray_environment(base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -40,7 +43,16 @@ def apply_ray_defaults(environ: MutableMapping[str, str] | None = None) -> None:
         target.setdefault(key, value)
 
 
+def apply_local_ray_defaults(environ: MutableMapping[str, str] | None = None) -> None:
+    """The Ray defaults plus those of a one-machine Ray, where unset. Call it before Ray is first imported (Ray reads
+    the one-machine switch at import)."""
+    target = os.environ if environ is None else environ
+    apply_ray_defaults(target)
+    for key, value in LOCAL_RAY_DEFAULTS.items():
+        target.setdefault(key, value)
+
+
 def local_ray_init_options() -> dict[str, Any]:
-    """`ray.init` options for a Ray cluster started on this machine for this machine alone: node address 127.0.0.1
-    and no dashboard (its HTTP server and agent are not needed to serve)."""
-    return {"address": "local", "_node_ip_address": LOCAL_NODE_IP, "include_dashboard": False}
+    """`ray.init` options for a Ray started for this machine alone (after `apply_local_ray_defaults`): a new local
+    cluster, no dashboard (its HTTP server is not needed to serve)."""
+    return {"address": "local", "include_dashboard": False}

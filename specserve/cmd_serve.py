@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any
 
-from deployments.ray_env import apply_ray_defaults, local_ray_init_options
+from deployments.ray_env import apply_local_ray_defaults, apply_ray_defaults, local_ray_init_options
 
 
 def register(subparsers: Any) -> None:
@@ -103,7 +103,10 @@ def load_config(args: argparse.Namespace):  # -> deployments.config.AppConfig
 
 
 def run(args: argparse.Namespace) -> int:
-    apply_ray_defaults()
+    if args.address:
+        apply_ray_defaults()
+    else:  # a Ray of its own: node address 127.0.0.1, token authentication on (ray_env)
+        apply_local_ray_defaults()
     from pydantic import ValidationError
 
     try:
@@ -133,7 +136,6 @@ def run(args: argparse.Namespace) -> int:
     from deployments.app import build_app
 
     print("specserve: starting Ray and Serve ...", flush=True)
-    # A local Ray for this machine alone: node address 127.0.0.1, no dashboard, token authentication on (ray_env).
     where = {"address": args.address, "include_dashboard": False} if args.address else local_ray_init_options()
     ray.init(**where, logging_level="WARNING")
     stop, calm = threading.Event(), threading.Event()  # calm: signals only set `stop` (serving, or shutting down)
