@@ -27,10 +27,14 @@ def test_compose_services_ports_and_mounted_files():
                 assert (OPS / source).exists(), f"{name} mounts {source}, which is not in ops/deploy/"
 
 
-def test_prometheus_reads_rays_service_discovery_file():
-    config = yaml.safe_load((OPS / "prometheus.yml").read_text())
+def test_prometheus_scrapes_the_metrics_port_of_specserve_serve():
+    from specserve.cmd_serve import DEFAULT_METRICS_PORT
+
+    text = (OPS / "prometheus.yml").read_text()
+    config = yaml.safe_load(text)
     (ray_job,) = [j for j in config["scrape_configs"] if j["job_name"] == "ray"]
-    assert ray_job["file_sd_configs"][0]["files"] == ["/tmp/ray/prom_metrics_service_discovery.json"]
+    assert ray_job["static_configs"][0]["targets"] == [f"localhost:{DEFAULT_METRICS_PORT}"]
+    assert "/tmp/ray/prom_metrics_service_discovery.json" in text  # the cluster variant, in a comment
 
 
 def test_dashboard_queries_name_metrics_that_exist():
