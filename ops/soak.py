@@ -212,11 +212,27 @@ class App:
         self.last_scrape = ""  # the last /metrics text that held specserve's metrics
         self._redis_dir = tempfile.TemporaryDirectory(prefix="soak-redis-")
 
-    def start(self, timeout_s: float = 900) -> None:
+    def start(self, attempts: int = 3) -> None:
+        """Start both; `specserve serve` up to `attempts` times (on a loaded machine at nice 19, Ray's raylet can
+        miss its fixed 30 s start-up window)."""
+        self._start_redis()
+        for attempt in range(1, attempts + 1):
+            try:
+                self._start_serve()
+                return
+            except RuntimeError as err:
+                if attempt == attempts:
+                    raise
+                print(f"soak: {err}; starting it again ({attempt + 1} of {attempts})", flush=True)
+                (self.out / "serve.log").rename(self.out / f"serve.{attempt}.log")
+
+    def _start_redis(self) -> None:
         self.redis = subprocess.Popen(
             [find_redis_server(), "--bind", "127.0.0.1", "--port", str(self.redis_port), "--save", "",
              "--appendonly", "no", "--dir", self._redis_dir.name],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def _start_serve(self, timeout_s: float = 900) -> None:
         config = self.out / "app.yaml"
         config.write_text(f"request_ttl_s: {self.ttl_s}\n")
         log = open(self.out / "serve.log", "w")
