@@ -59,3 +59,23 @@ def test_dashboard_queries_name_metrics_that_exist():
     families = {re.sub(r"_(bucket|sum|count)$", "", n) for n in used}
     assert {f"ray_{n}" for n in metrics.DEFS} <= families | {"ray_specserve_prompt_tokens_total",
                                                               "ray_specserve_request_latency_seconds"}
+
+
+def test_make_serve_installs_no_os_package_and_make_test_adds_the_ssh_extras():
+    import shutil
+    import subprocess
+
+    import pytest
+
+    if not shutil.which("make"):
+        pytest.skip("no make on this machine")
+
+    def commands(target: str) -> list[str]:  # what `make TARGET` would run (dry run)
+        out = subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True, text=True, check=True)
+        return out.stdout.splitlines()
+
+    serve, test = commands("serve"), commands("test")
+    assert "./ops/setup_ci_extras.sh" not in serve and "./ops/setup.sh" in serve
+    assert "./ops/setup_ci_extras.sh" in test
+    code = [line for line in (ROOT / "ops" / "setup.sh").read_text().splitlines() if not line.startswith("#")]
+    assert not [line for line in code if "apt-get" in line or "setup_ci_extras" in line]
