@@ -117,6 +117,9 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as err:
         raise ValueError(f"invalid configuration: {err.errors()[0]['loc']}: {err.errors()[0]['msg']}") from None
 
+    # Ray's metrics agent listens on loopback when the node's IP is 127.0.0.1, else on every interface.
+    metrics = {} if args.address else {"_metrics_export_port": _check_metrics_port(args.metrics_port)}
+
     from deployments.embedded_redis import RedisUnavailable, check_reachable, redact
 
     if cfg.redis_url is not None:
@@ -139,8 +142,6 @@ def run(args: argparse.Namespace) -> int:
     from deployments.app import build_app
 
     print("specserve: starting Ray and Serve ...", flush=True)
-    # Ray's metrics agent listens on loopback when the node's IP is 127.0.0.1, else on every interface.
-    metrics = {} if args.address else {"_metrics_export_port": _check_metrics_port(args.metrics_port)}
     ray.init(address=args.address or "local", include_dashboard=False, logging_level="WARNING", **metrics)
     stop, calm = threading.Event(), threading.Event()  # calm: signals only set `stop` (serving, or shutting down)
     got: list[int] = []  # the signals received
