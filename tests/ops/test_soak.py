@@ -10,10 +10,13 @@ import re
 import subprocess
 import sys
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support import ROOT
 from tests.support.cluster_harness import dashboard_metric_names
+
+pytestmark = pytest.mark.slow
 
 
 def test_short_soak_metrics_port_and_ttl(tmp_path):
