@@ -1,10 +1,16 @@
 # The two commands of the quick start:
 #   make serve   set up, then serve the demo pair on local Ray with an embedded Redis (Ctrl-C stops it)
-#   make test    set up, then lint (ruff) and run the whole test suite
-.PHONY: setup serve generate test bench
+#   make test    set up (with the test extras), then lint (ruff) and run the whole test suite
+.PHONY: setup setup-test serve generate test bench
 
+# What serving needs: the venv with the pinned packages and the demo model. No OS packages, no root.
 setup:
 	./ops/setup.sh
+
+# The test path adds the `ray up` tests' OS packages (SSH server, rsync); where it cannot (not root), it says so
+# and those tests skip with the reason.
+setup-test: setup
+	./ops/setup_ci_extras.sh
 
 serve: setup
 	.venv/bin/specserve serve
@@ -12,7 +18,7 @@ serve: setup
 generate: setup
 	.venv/bin/specserve generate --chat --prompt "Explain speculative decoding in two sentences."
 
-test: setup
+test: setup-test
 	.venv/bin/ruff check .
 	.venv/bin/python -m pytest -q
 

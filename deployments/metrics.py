@@ -1,17 +1,20 @@
 """Prometheus metrics of speculative serving, and the small `record_*` functions the Serve layer calls.
 
 Backend, chosen per process when the first metric is touched:
-- inside Ray (a Serve replica, an actor, a driver after `ray.init`): `ray.serve.metrics`, exported by every
-  node's metrics agent (`ray start --metrics-export-port`), scraped by Prometheus through Ray's service
-  discovery file. Ray prefixes every name with `ray_` and, inside a replica, adds the `deployment`,
-  `replica` and `application` labels. Queue depth and replica counts of Serve itself come from Ray's own
-  `ray_serve_*` metrics (the Grafana dashboard in ops/ uses both).
+- inside Ray (a Serve replica, an actor, a driver after `ray.init`): `ray.serve.metrics`, exported at
+  `/metrics` by every node's metrics agent on its metrics export port (`ray start --metrics-export-port=8080`
+  on a cluster; `specserve serve --metrics-port`, default 8080, on one machine), scraped by Prometheus through
+  Ray's service discovery file or a static target. Ray prefixes every name with `ray_` and, inside a replica,
+  adds the `deployment`, `replica` and `application` labels. Queue depth and replica counts of Serve itself
+  come from Ray's own `ray_serve_*` metrics (the Grafana dashboard in ops/ uses both).
 - outside Ray: `prometheus_client`, in its default registry (or one given to `use_registry`, for tests),
   under the same names without the `ray_` prefix.
 
 Cost: the record functions only add to dicts under one lock (a few microseconds per step); a daemon
 thread pushes the sums and observations to the backend every FLUSH_INTERVAL_S (`flush()` does it now).
-Gauges are set directly.
+Gauges are set directly, and the flush thread sets each one's last value again every FLUSH_INTERVAL_S: Ray's
+metrics agent drops a gauge series that no process has reported for a while, so a value that holds still (16
+slots in use for minutes) would otherwise vanish from the scrape.
 
 Vocabulary (docs/architecture.md): per step a row proposes `num_draft` tokens, a prefix of `num_accepted`
 is accepted and one recovered or bonus token follows, so `emitted = num_accepted + 1`.
@@ -101,6 +104,7 @@ def use_registry(registry: Any) -> None:
     with _buffer_lock:
         _counts.clear()
         _observations.clear()
+        _gauges.clear()
 
 
 def reset() -> None:
@@ -184,6 +188,7 @@ def get(name: str) -> _Adapter:
 FLUSH_INTERVAL_S = 1.0  # Ray's agents export every few seconds anyway; Prometheus scrapes every 5-15 s
 _counts: dict[tuple[str, str | None], float] = {}  # (metric, tag value) -> increment since the last flush
 _observations: dict[tuple[str, str | None], list[float]] = {}
+_gauges: dict[tuple[str, str | None], float] = {}  # (metric, tag value) -> last value set
 _buffer_lock = threading.Lock()
 _flusher: threading.Thread | None = None
 
@@ -208,6 +213,14 @@ def _observe(name: str, value: float, tag: str | None = None) -> None:
         _start_flusher()
 
 
+def _set(name: str, value: float, tag: str | None = None) -> None:
+    with _buffer_lock:
+        _gauges[(name, tag)] = value
+    get(name).set(value, tags=_tags(name, tag))
+    if _flusher is None:
+        _start_flusher()
+
+
 def _tags(name: str, tag: str | None) -> dict[str, str] | None:
     return None if tag is None else {DEFS[name].tag_keys[0]: tag}
 
@@ -219,12 +232,15 @@ def flush() -> None:
     with _buffer_lock:
         counts, observations = _counts, _observations
         _counts, _observations = {}, {}
+        gauges = list(_gauges.items())
     for (name, tag), value in counts.items():
         get(name).inc(value, tags=_tags(name, tag))
     for (name, tag), values in observations.items():
         metric, tags = get(name), _tags(name, tag)
         for v in values:
             metric.observe(v, tags=tags)
+    for (name, tag), value in gauges:  # again: Ray's agent forgets a gauge that is not reported for a while
+        get(name).set(value, tags=_tags(name, tag))
 
 
 def _start_flusher() -> None:
@@ -311,11 +327,11 @@ def record_verify_latency(seconds: float, scope: str = "call") -> None:
 
 def set_queue_depth(waiting: int, stage: str) -> None:
     """Calls left queued in a worker after it took a batch (they wait for the next pass)."""
-    get("specserve_queue_depth").set(waiting, tags={"stage": stage})
+    _set("specserve_queue_depth", waiting, stage)
 
 
 def set_active_requests(active: int) -> None:
-    get("specserve_active_requests").set(active)
+    _set("specserve_active_requests", active)
 
 
 class RequestTimer:

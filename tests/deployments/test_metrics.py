@@ -100,6 +100,18 @@ def test_latency_and_gauges(scrape):
     assert v[("specserve_active_requests", ())] == 3
 
 
+def test_flush_reports_every_gauge_again(scrape):
+    """Ray's agent drops a gauge no process re-reports; the flush sets each gauge's last value again."""
+    metrics.set_active_requests(16)
+    metrics.set_queue_depth(4, stage="target")
+    assert scrape()[("specserve_active_requests", ())] == 16
+    metrics.get("specserve_active_requests").set(0)  # the backend lost the value (as Ray's agent does)
+    metrics.get("specserve_queue_depth").set(0, tags={"stage": "target"})
+    v = scrape()  # flushes
+    assert v[("specserve_active_requests", ())] == 16
+    assert v[("specserve_queue_depth", (("stage", "target"),))] == 4
+
+
 def test_request_timer_ends_its_span_with_the_outcome(scrape):
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 

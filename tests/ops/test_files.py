@@ -27,10 +27,14 @@ def test_compose_services_ports_and_mounted_files():
                 assert (OPS / source).exists(), f"{name} mounts {source}, which is not in ops/deploy/"
 
 
-def test_prometheus_reads_rays_service_discovery_file():
-    config = yaml.safe_load((OPS / "prometheus.yml").read_text())
+def test_prometheus_scrapes_the_metrics_port_of_specserve_serve():
+    from specserve.cmd_serve import DEFAULT_METRICS_PORT
+
+    text = (OPS / "prometheus.yml").read_text()
+    config = yaml.safe_load(text)
     (ray_job,) = [j for j in config["scrape_configs"] if j["job_name"] == "ray"]
-    assert ray_job["file_sd_configs"][0]["files"] == ["/tmp/ray/prom_metrics_service_discovery.json"]
+    assert ray_job["static_configs"][0]["targets"] == [f"localhost:{DEFAULT_METRICS_PORT}"]
+    assert "/tmp/ray/prom_metrics_service_discovery.json" in text  # the cluster variant, in a comment
 
 
 def test_dashboard_queries_name_metrics_that_exist():
@@ -55,3 +59,23 @@ def test_dashboard_queries_name_metrics_that_exist():
     families = {re.sub(r"_(bucket|sum|count)$", "", n) for n in used}
     assert {f"ray_{n}" for n in metrics.DEFS} <= families | {"ray_specserve_prompt_tokens_total",
                                                               "ray_specserve_request_latency_seconds"}
+
+
+def test_make_serve_installs_no_os_package_and_make_test_adds_the_ssh_extras():
+    import shutil
+    import subprocess
+
+    import pytest
+
+    if not shutil.which("make"):
+        pytest.skip("no make on this machine")
+
+    def commands(target: str) -> list[str]:  # what `make TARGET` would run (dry run)
+        out = subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True, text=True, check=True)
+        return out.stdout.splitlines()
+
+    serve, test = commands("serve"), commands("test")
+    assert "./ops/setup_ci_extras.sh" not in serve and "./ops/setup.sh" in serve
+    assert "./ops/setup_ci_extras.sh" in test
+    code = [line for line in (ROOT / "ops" / "setup.sh").read_text().splitlines() if not line.startswith("#")]
+    assert not [line for line in code if "apt-get" in line or "setup_ci_extras" in line]

@@ -1,8 +1,9 @@
 """Harness for launching ops/deploy/cluster-local.yaml with `ray up` in a test, on this machine, over SSH.
 
 What it sets up, and undoes afterwards:
-- a throwaway SSH key, authorized for root (a marked line in ~/.ssh/authorized_keys);
-- sshd on 127.0.0.1:22 if nothing listens there (started here, ended by its pid);
+- a throwaway SSH key pair in the test's temporary folder, named as `ssh_private_key` in the rendered cluster
+  config, its public half authorized for this user (a marked line in ~/.ssh/authorized_keys);
+- sshd on 127.0.0.1:22 if nothing listens there and this is root (started here, ended by its pid);
 - a marked block in ~/.bashrc putting this Python environment on the SSH login PATH (Ray runs every
   remote command as `bash --login -c -i 'source ~/.bashrc; ...'`);
 - a `ray` shim first on that PATH. `ray stop` (run by the start commands and by `ray down`) ends every
@@ -10,11 +11,16 @@ What it sets up, and undoes afterwards:
   of this cluster, found by an environment variable that its `ray start` line sets (and every Ray
   process it spawns inherits). Every other `ray` command goes to the real CLI.
 The cluster gets a unique name and free ports, so it never meets another Ray instance.
+
+"~" above is the user's home in the password database, where sshd and the login shell look, whatever $HOME says
+(a test run may set HOME to a scratch folder).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -35,7 +41,9 @@ MARK_ENV = "SPECSERVE_TEST_CLUSTER"
 # `ray up` clusters run without Ray's token authentication (ops/deploy/cluster-local.yaml says why): the CLI here, the
 # node's processes and the dashboard requests of the tests alike.
 CLUSTER_RAY_ENV = {**RAY_DEFAULTS, "RAY_AUTH_MODE": "disabled"}
-HOME = Path.home()
+_USER = pwd.getpwuid(os.geteuid())
+USER = _USER.pw_name  # who `ray up` logs in as over SSH
+HOME = Path(_USER.pw_dir)  # that user's home as sshd sees it ($HOME may point elsewhere)
 
 STOP_SCRIPT = r'''
 import os, sys, time, psutil
@@ -112,6 +120,14 @@ def alive(pid: int) -> bool:
         return False
 
 
+def dashboard_metric_names() -> set[str]:
+    """Every metric the Grafana dashboard (ops/deploy/grafana/specserve.json) queries, without the _bucket / _sum /
+    _count suffix of a histogram."""
+    dash = json.loads((ROOT / "ops" / "deploy" / "grafana" / "specserve.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    return {re.sub(r"_(bucket|sum|count)$", "", m) for e in exprs for m in re.findall(r"\bray_[a-z_]+", e)}
+
+
 def missing_tools() -> list[str]:
     return [t for t in ("/usr/sbin/sshd", "ssh", "ssh-keygen", "rsync") if not shutil.which(t) and
             not Path(t).exists()]
@@ -140,7 +156,7 @@ class LocalCluster:
     def setup(self) -> None:
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", self._marker, "-f",
                         str(self.key)], check=True)
-        ssh_dir = HOME / ".ssh"
+        ssh_dir = HOME / ".ssh"  # sshd's AuthorizedKeysFile: the real home's, not $HOME's
         ssh_dir.mkdir(mode=0o700, exist_ok=True)
         auth = ssh_dir / "authorized_keys"
         with open(auth, "a") as f:
@@ -164,6 +180,7 @@ class LocalCluster:
                     f"# <<< {self._marker} <<<\n")
 
         if not port_open(22):
+            assert os.geteuid() == 0, "nothing listens on 127.0.0.1:22, and only root can start sshd"
             subprocess.run(["ssh-keygen", "-A"], check=True, capture_output=True)
             Path("/run/sshd").mkdir(exist_ok=True)
             self._sshd = subprocess.Popen(
@@ -176,7 +193,7 @@ class LocalCluster:
                 time.sleep(0.1)
         out = subprocess.run(
             ["ssh", "-i", str(self.key), "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
-             "-o", "BatchMode=yes", "root@127.0.0.1", "bash --login -c -i 'source ~/.bashrc; which ray'"],
+             "-o", "BatchMode=yes", f"{USER}@127.0.0.1", "bash --login -c -i 'source ~/.bashrc; which ray'"],
             capture_output=True, text=True, timeout=30)
         assert out.stdout.strip().endswith(str(self.bin / "ray")), f"ssh login PATH check failed: {out}"
 
@@ -185,8 +202,7 @@ class LocalCluster:
     def render(self) -> None:
         """Write ops/deploy/cluster-local.yaml with this run's key, paths, ports, marker and name."""
         text = (ROOT / "ops" / "deploy" / "cluster-local.yaml").read_text()
-        text = (text.replace("~/.ssh/id_ed25519", str(self.key))
-                .replace("~/specserve-local", str(self.node_dir))
+        text = (text.replace("~/specserve-local", str(self.node_dir))
                 .replace("$HOME/specserve-local", str(self.node_dir))
                 .replace("16379", str(self.gcs_port)).replace("18265", str(self.dashboard_port))
                 .replace("18080", str(self.metrics_port))
@@ -196,6 +212,7 @@ class LocalCluster:
                          "ray start --head --system-config='{\"metrics_report_interval_ms\": 1000}'"))
         config = yaml.safe_load(text)
         config["cluster_name"] = self.name
+        config["auth"] = {"ssh_user": USER, "ssh_private_key": str(self.key)}
         self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
 
     def teardown(self) -> None:
