@@ -490,7 +490,8 @@ def wait_recovered(fault: Fault, since: float, timeout_s: float) -> Optional[flo
 # -- the campaign -----------------------------------------------------------------------------------------
 
 def run_setup(config: ChaosConfig, setup: str, faults: Sequence[str], http_port: int,
-              log: Callable[[str], None]) -> list[dict[str, Any]]:
+              log: Callable[[str], None], on_row: Callable[[dict[str, Any]], None] = lambda row: None,
+              ) -> list[dict[str, Any]]:
     from ray import serve
 
     from deployments.app import build_app
@@ -511,6 +512,7 @@ def run_setup(config: ChaosConfig, setup: str, faults: Sequence[str], http_port:
         reference, _ = asyncio.run(run_load(url, model, config, prompts))
         log(f"[{setup}] reference: {sum(s.ok for s in reference)}/{len(reference)} in {time.monotonic() - t0:.1f} s")
         rows.append(judge(f"none ({setup})", reference, reference, None, None))
+        on_row(rows[-1])
         for name in faults:
             fault = Fault(name, url, external)
             log(f"[{setup}] fault {name}: {fault.victim} (pid {fault.pid}) ...")
@@ -518,6 +520,7 @@ def run_setup(config: ChaosConfig, setup: str, faults: Sequence[str], http_port:
             health = wait_recovered(fault, kill_at, config.health_timeout_s) if kill_at else None
             row = judge(name, streams, reference, kill_at, health)
             rows.append(row)
+            on_row(row)
             log(f"[{setup}] {name}: " + ", ".join(f"{c}={row[c]}" for c in COLUMNS[1:]))
             _wait_app(config.health_timeout_s)
     finally:
@@ -561,19 +564,23 @@ def run_campaign(config: ChaosConfig, out_dir: Optional[str | Path] = "load-out/
         serve.start(http_options={"host": "127.0.0.1", "port": port},
                     logging_config={"log_level": "WARNING", "enable_access_log": False})
     rows: list[dict[str, Any]] = []
+    meta = {k: v for k, v in asdict(config).items() if k != "prompts"}
+
+    def write(row: dict[str, Any]) -> None:  # after every row: a campaign cut short keeps what it measured
+        rows.append(row)
+        if out_dir is not None:
+            out = Path(out_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "chaos.json").write_text(json.dumps({"config": meta, "rows": rows}, indent=2))
+            (out / "chaos.md").write_text(markdown_table(rows) + "\n")
+
     try:
         for setup, faults in SETUPS.items():
             chosen = [f for f in config.faults if f in faults]
             if chosen:
-                rows += run_setup(config, setup, chosen, port, log)
+                run_setup(config, setup, chosen, port, log, write)
     finally:
         if started:
             serve.shutdown()
             ray.shutdown()
-    if out_dir is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        meta = {k: v for k, v in asdict(config).items() if k != "prompts"}
-        (out / "chaos.json").write_text(json.dumps({"config": meta, "rows": rows}, indent=2))
-        (out / "chaos.md").write_text(markdown_table(rows) + "\n")
     return rows
