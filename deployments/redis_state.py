@@ -165,14 +165,16 @@ class RequestStore:
         fail their first ping, and the deployment fails before Serve has replaced the server.)"""
         deadline = time.monotonic() + wait_s
         while True:
-            url = await get_url()
-            store = cls.from_url(url, namespace, ttl_s)
+            url, store = "(its URL)", None
             try:
+                url = await get_url()  # inside the try: the embedded server's replica may be being replaced
+                store = cls.from_url(url, namespace, ttl_s)
                 await store.client.ping()
                 store._get_url = get_url
                 return store
             except Exception as err:  # noqa: BLE001 - any failure to answer is "not yet"
-                await store.close()
+                if store is not None:
+                    await store.close()
                 if time.monotonic() >= deadline:
                     raise RuntimeError(f"Redis at {redact(url)} is unreachable: {err}") from None
                 log.warning("Redis at %s does not answer yet (%s); retrying", redact(url), err)

@@ -265,8 +265,7 @@ def judge(fault: str, streams: Sequence[Stream], reference: Sequence[Stream], ki
         "recovery_s": recovery_s(streams, kill_at), "health_s": health_s,
     }
     row["ok"] = (row["completed"] == row["requests"] and not mismatches and not lost and not duplicated
-                 and not row["missing_events"] and not row["duplicate_events"] and not row["server_errors"]
-                 and not row["retried"])
+                 and not row["missing_events"] and not row["duplicate_events"] and not row["server_errors"])
     row["mismatched_requests"] = mismatches
     row["errors"] = sorted({e for s in streams for e in s.errors})[:10]
     return row
