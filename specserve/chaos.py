@@ -64,6 +64,8 @@ class ChaosConfig:
     seed: int = 0
     num_draft_tokens: int = 3
     max_seq_len: int = 512
+    drafter_replicas: int = 2  # a killed drafter fails over to another (with 1: target-only steps, which change
+    # sampled outputs)
     trigger: float = 0.25  # inject the fault when this share of the expected tokens has streamed
     timeout_s: float = 300.0  # per request, resumes included
     health_timeout_s: float = 180.0  # how long to wait for the killed part to come back
@@ -355,7 +357,8 @@ def app_config(config: ChaosConfig, setup: str, redis_url: Optional[str]) -> dic
 
     slots = config.concurrency + 4
     draft = config.draft or default_draft(config.target)
-    drafter: dict[str, Any] = {"draft": draft, "max_batch_size": slots, "resources": {"num_replicas": 2}}
+    drafter: dict[str, Any] = {"draft": draft, "max_batch_size": slots,
+                               "resources": {"num_replicas": config.drafter_replicas}}
     target: dict[str, Any] = {"model": config.target, "max_seq_len": config.max_seq_len, "max_batch_size": slots}
     if setup == "tp2":
         target.update(tensor_parallel_size=2, resources={"num_cpus": 0.01})  # bundles must claim something
@@ -402,8 +405,8 @@ def _sigkill(pid: int) -> None:
 class Fault:
     """A kill prepared before the load (victim and PID found while idle) and a check that the part is back."""
 
-    def __init__(self, name: str, url: str, external: Optional[ExternalRedis]) -> None:
-        self.name, self.url, self.external = name, url, external
+    def __init__(self, name: str, url: str, external: Optional[ExternalRedis], replicas: int) -> None:
+        self.name, self.url, self.external, self.replicas = name, url, external, replicas
         self.victim, self.pid = self._pick()
 
     def _pick(self) -> tuple[Any, Optional[int]]:
@@ -457,7 +460,7 @@ class Fault:
                     a["name"] for a in _replica_actors("Coordinator")} and _app_running()
             role, rank = {"drafter": ("Drafter", 0), "target": ("Target", 0), "tp-rank": ("Target", 1)}[self.name]
             names = [a["name"] for a in _named(f"{APP}:{role}:", WORKERS) if a["name"].endswith(f":{rank}")]
-            want = 2 if role == "Drafter" else 1
+            want = self.replicas if role == "Drafter" else 1
             return len(names) >= want and self.victim not in names and _app_running()
         except Exception:  # noqa: BLE001 - not back yet
             return False
@@ -513,7 +516,7 @@ def run_setup(config: ChaosConfig, setup: str, faults: Sequence[str], http_port:
         rows.append(judge(f"none ({setup})", reference, reference, None, None))
         on_row(rows[-1])
         for name in faults:
-            fault = Fault(name, url, external)
+            fault = Fault(name, url, external, config.drafter_replicas)
             log(f"[{setup}] fault {name}: {fault.victim} (pid {fault.pid}) ...")
             streams, kill_at = asyncio.run(run_load(url, model, config, prompts, fault.inject))
             health = wait_recovered(fault, kill_at, config.health_timeout_s) if kill_at else None

@@ -19,7 +19,7 @@ def test_target_and_redis_faults_lose_nothing(tiny_models, tmp_path):
     port = int(ensure_serve().rsplit(":", 1)[1])
     config = ChaosConfig(target=str(tiny_models["llama"]), draft=str(tiny_models["draft"]),
                          faults=("target", "redis"), concurrency=6, num_requests=6, max_tokens=24,
-                         max_seq_len=256, health_timeout_s=90)
+                         max_seq_len=256, drafter_replicas=1, health_timeout_s=90)
     t0 = time.monotonic()
     rows = run_campaign(config, tmp_path, http_port=port,
                         log=lambda line: print(f"{time.monotonic() - t0:6.1f} s  {line}", flush=True))
