@@ -477,7 +477,7 @@ class Coordinator:
         metrics.set_active_requests(self.active)
 
     async def check_health(self) -> None:
-        await asyncio.wait_for(self.store.client.ping(), 10.0)
+        await asyncio.wait_for(self.store.ping(), 25.0)  # reconnects to a Redis that restarted (new port too)
 
 
 _END = "end"  # queue sentinel: the request finished

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Optional, Union
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from deployments.config import RedisTLS
 from deployments.redis_conn import RedisAddress, client_options, describe, redact
@@ -35,6 +37,7 @@ log = logging.getLogger(__name__)
 # status, stats_json, event_json, ids...
 _COMMIT = """
 local meta = KEYS[1]
+if redis.call('EXISTS', meta) == 0 then return -3 end
 if redis.call('HGET', meta, 'owner') ~= ARGV[1] then return -1 end
 if tonumber(redis.call('HGET', meta, 'step')) ~= tonumber(ARGV[2]) then return -2 end
 local n = #ARGV
@@ -55,8 +58,9 @@ for i = 1, 3 do redis.call('EXPIRE', KEYS[i], ARGV[2]) end
 return redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 """
 
-# KEYS: meta. ARGV: owner, then field/value pairs. Returns 1, or -1 if not the owner.
+# KEYS: meta. ARGV: owner, then field/value pairs. Returns 1, -1 if not the owner, -3 if the request is unknown.
 _SET_IF_OWNER = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -3 end
 if redis.call('HGET', KEYS[1], 'owner') ~= ARGV[1] then return -1 end
 redis.call('HSET', KEYS[1], unpack(ARGV, 2, #ARGV))
 return 1
@@ -71,8 +75,15 @@ return 1
 """
 
 
+RECONNECT_WAIT_S = 30.0  # how long an operation waits for a Redis that stopped answering to come back
+
+
 class NotOwner(RuntimeError):
     """Another coordinator took this request over (or the step counter moved): stop working on it."""
+
+
+class StateLost(RuntimeError):
+    """Redis no longer holds the request (it restarted empty): the request goes on unpersisted."""
 
 
 @dataclass
@@ -122,7 +133,14 @@ class RequestStore:
     """Async access to request state. One instance (one connection pool) per process."""
 
     def __init__(self, client: aioredis.Redis, namespace: str = "specserve", ttl_s: int = 3600) -> None:
-        self.client, self.ns, self.ttl_s = client, namespace, ttl_s
+        self.ns, self.ttl_s = namespace, ttl_s
+        self._bind(client)
+        # Set by connect(): reconnect() asks it again.
+        self._get_url: Optional[Callable[[], Awaitable[Union[str, RedisAddress]]]] = None
+        self._reconnecting: Optional[asyncio.Task] = None
+
+    def _bind(self, client: aioredis.Redis) -> None:
+        self.client = client
         self._commit = client.register_script(_COMMIT)
         self._take_over = client.register_script(_TAKE_OVER)
         self._set_if_owner = client.register_script(_SET_IF_OWNER)
@@ -150,23 +168,58 @@ class RequestStore:
         being replaced each fail their first ping, and the deployment fails before Serve has replaced the server.)"""
         deadline = time.monotonic() + wait_s
         while True:
-            got = await get_url()
-            where = got if isinstance(got, RedisAddress) else RedisAddress(got)
-            store = cls.from_url(where.url, namespace, ttl_s, where.tls)
+            where, store = None, None
             try:
+                got = await get_url()  # inside the try: the embedded server's replica may be being replaced
+                where = got if isinstance(got, RedisAddress) else RedisAddress(got)
+                store = cls.from_url(where.url, namespace, ttl_s, where.tls)
                 await store.client.ping()
+                store._get_url = get_url
                 return store
             except Exception as err:  # noqa: BLE001 - any failure to answer is "not yet"
-                await store.close()
+                if store is not None:
+                    await store.close()
+                url = where.url if where is not None else "(its URL)"
                 if time.monotonic() >= deadline:
-                    raise RuntimeError(f"Redis at {redact(where.url)} is unreachable: "
-                                       f"{describe(err, where.url)}") from None
-                log.warning("Redis at %s does not answer yet (%s); retrying", redact(where.url),
-                            describe(err, where.url))
+                    raise RuntimeError(f"Redis at {redact(url)} is unreachable: {describe(err, url)}") from None
+                log.warning("Redis at %s does not answer yet (%s); retrying", redact(url), describe(err, url))
                 await asyncio.sleep(retry_s)
 
     async def close(self) -> None:
         await self.client.aclose()
+
+    async def ping(self) -> bool:
+        return bool(await self._retrying(lambda: self.client.ping()))
+
+    async def reconnect(self, wait_s: float = RECONNECT_WAIT_S) -> None:
+        """Connect again, asking for the URL again (a replaced embedded server has a new port); one attempt at a
+        time, shared by every caller that saw the connection fail."""
+        if self._get_url is None:
+            raise ConnectionError("this store cannot reconnect (made without connect())")
+        if self._reconnecting is None or self._reconnecting.done():
+            self._reconnecting = asyncio.ensure_future(self._reconnect(wait_s))
+        await asyncio.shield(self._reconnecting)
+
+    async def _reconnect(self, wait_s: float) -> None:
+        assert self._get_url is not None
+        fresh = await RequestStore.connect(self._get_url, self.ns, self.ttl_s, wait_s=wait_s)
+        old, self._reconnecting = self.client, None
+        self._bind(fresh.client)
+        log.warning("reconnected to Redis")
+        try:
+            await old.aclose()
+        except Exception:  # noqa: BLE001 - the old connection is gone anyway
+            pass
+
+    async def _retrying(self, op: Callable[[], Awaitable[Any]]) -> Any:
+        """`op()`; if Redis does not answer, reconnect (waiting for it to come back) and try once more."""
+        try:
+            return await op()
+        except (RedisConnectionError, RedisTimeoutError, OSError):
+            if self._get_url is None:
+                raise
+        await self.reconnect()
+        return await op()
 
     def keys(self, rid: str) -> list[str]:
         meta = f"{self.ns}:req:{{{rid}}}"
@@ -190,13 +243,13 @@ class RequestStore:
         for k, v in fields.items():
             flat += [k, v]
         keys = self.keys(rid)
-        if not await self._create(keys=keys[:1], args=[self.ttl_s, *flat]):
+        if not await self._retrying(lambda: self._create(keys=keys[:1], args=[self.ttl_s, *flat])):
             raise ValueError(f"request {rid} exists already")
 
     @traced("redis take_over", **{"db.system": "redis"})
     async def take_over(self, rid: str, owner: str) -> Optional[StoredRequest]:
         """Become the request's owner (fencing out any previous one) and read it; None if unknown."""
-        epoch = await self._take_over(keys=self.keys(rid), args=[owner, self.ttl_s])
+        epoch = await self._retrying(lambda: self._take_over(keys=self.keys(rid), args=[owner, self.ttl_s]))
         if int(epoch) < 0:
             return None
         return await self.load(rid)
@@ -218,7 +271,17 @@ class RequestStore:
         status = "finished" if finish_reason else "running"
         args = [owner, expected_step, new_step, self.ttl_s, emitted_chars, finish_reason or "", status,
                 json.dumps(stats), "" if event is None else json.dumps(event, ensure_ascii=False), *token_ids]
-        n = int(await self._commit(keys=self.keys(rid), args=args))
+        tries = []
+
+        async def once() -> Any:
+            tries.append(1)
+            return await self._commit(keys=self.keys(rid), args=args)
+
+        n = int(await self._retrying(once))
+        if n == -3:
+            raise StateLost(f"request {rid} is not in Redis (restarted empty?) at step {expected_step}")
+        if n == -2 and len(tries) > 1 and int(await self.client.hget(self.keys(rid)[0], "step") or -1) == new_step:
+            return int(await self.client.llen(self.keys(rid)[1]))  # applied, its reply lost with the connection
         if n < 0:
             raise NotOwner(f"request {rid}: {'owner changed' if n == -1 else 'step moved'} at step {expected_step}")
         return n
@@ -228,24 +291,31 @@ class RequestStore:
         flat: list[Any] = []
         for k, v in fields.items():
             flat += [k, v if isinstance(v, (str, int, float)) else json.dumps(v)]
-        if int(await self._set_if_owner(keys=self.keys(rid)[:1], args=[owner, *flat])) < 0:
+        n = int(await self._retrying(lambda: self._set_if_owner(keys=self.keys(rid)[:1], args=[owner, *flat])))
+        if n == -3:
+            raise StateLost(f"request {rid} is not in Redis (restarted empty?)")
+        if n < 0:
             raise NotOwner(f"request {rid}: owner changed")
 
     # -- reads -----------------------------------------------------------------------------------------
     @traced("redis load", **{"db.system": "redis"})
     async def load(self, rid: str) -> Optional[StoredRequest]:
         meta, ids, _ = self.keys(rid)
-        async with self.client.pipeline(transaction=True) as pipe:
-            pipe.hgetall(meta)
-            pipe.lrange(ids, 0, -1)
-            fields, out = await pipe.execute()
+
+        async def read() -> list[Any]:
+            async with self.client.pipeline(transaction=True) as pipe:
+                pipe.hgetall(meta)
+                pipe.lrange(ids, 0, -1)
+                return await pipe.execute()
+
+        fields, out = await self._retrying(read)
         if not fields:
             return None
         return StoredRequest(rid, fields, [int(t) for t in out])
 
     @traced("redis events", **{"db.system": "redis"})
     async def events(self, rid: str, start: int = 0) -> list[dict[str, Any]]:
-        raw = await self.client.lrange(self.keys(rid)[2], start, -1)
+        raw = await self._retrying(lambda: self.client.lrange(self.keys(rid)[2], start, -1))
         return [json.loads(e) for e in raw]
 
     async def ttl(self, rid: str) -> int:

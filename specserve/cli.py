@@ -15,6 +15,7 @@ from deployments.ray_env import apply_ray_defaults
 from specserve import (
     cmd_bench,
     cmd_bench_serve,
+    cmd_chaos,
     cmd_distill,
     cmd_generate,
     cmd_load,
@@ -22,7 +23,8 @@ from specserve import (
     cmd_serve,
 )
 
-SUBCOMMANDS = (cmd_generate, cmd_serve, cmd_bench, cmd_bench_serve, cmd_distill, cmd_load, cmd_otlp_receiver)
+SUBCOMMANDS = (cmd_generate, cmd_serve, cmd_bench, cmd_bench_serve, cmd_distill, cmd_load, cmd_otlp_receiver,
+               cmd_chaos)
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, ConnectionError, TimeoutError)
 
 
