@@ -59,7 +59,7 @@ def build_app(config: Union[AppConfig, dict[str, Any], None] = None) -> Applicat
     if cfg.redis_url is not None:
         check_reachable(cfg.redis_url)  # a clear error now, not a replica stuck in a restart loop
     opts = deployment_options(cfg)
-    args = cfg.model_dump(mode="json")
+    args = cfg.model_dump(mode="json", context={"reveal_secrets": True})  # the replicas need the API keys
     redis = serve.deployment(RedisServer, **opts[EMBEDDED_REDIS]).bind() if EMBEDDED_REDIS in opts else None
     target = serve.deployment(TargetServer, **opts[TARGET]).bind(args)
     drafter = serve.deployment(DrafterServer, **opts[DRAFTER]).bind(args) if DRAFTER in opts else None
