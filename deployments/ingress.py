@@ -75,10 +75,13 @@ def _tokenizing(param: str) -> Iterator[None]:
     """Tokenizer failures on the client's text (whatever got past validation) are a 400 naming the field."""
     try:
         yield
-    except (TypeError, ValueError, UnicodeError) as err:
-        logger.warning("the tokenizer refused the %s: %s", param, type(err).__name__)
-        raise APIError(f"{param}: the text could not be tokenized ({type(err).__name__})", param=param,
-                       code="invalid_value") from None
+    except Exception as err:
+        template = type(err).__module__.startswith("jinja2")  # the chat template refused the messages (raise_exception)
+        if not (template or isinstance(err, (TypeError, ValueError, UnicodeError))):
+            raise
+        logger.info("the tokenizer refused the %s: %s", param, type(err).__name__)
+        why = f"the chat template refused them: {err}" if template else f"could not be tokenized ({type(err).__name__})"
+        raise APIError(f"{param}: {why}", param=param, code="invalid_value") from None
 
 
 def _error_response(request: Request, err: APIError) -> JSONResponse:
