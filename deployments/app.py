@@ -74,7 +74,7 @@ def build_app(config: Union[AppConfig, dict[str, Any], None] = None) -> Applicat
     if cfg.redis_url is not None:
         check_reachable(cfg.redis_url, tls=cfg.redis_tls)  # a clear error now, not a replica stuck in a restart loop
     opts = deployment_options(cfg)
-    args = cfg.model_dump(mode="json")
+    args = cfg.model_dump(mode="json", context={"reveal_secrets": True})  # the replicas need the API keys
     redis = None
     if EMBEDDED_REDIS in opts:
         redis = serve.deployment(RedisServer, **opts[EMBEDDED_REDIS]).bind(cfg.embedded_redis_bind)

@@ -19,8 +19,18 @@ from __future__ import annotations
 import os
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    SerializationInfo,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
+from pipeline import envs
 from pipeline.config import HYBRID_PREFIX, NO_DRAFT, PROMPT_LOOKUP, draft_model_spec
 
 # Deployment names: fixed, so the coordinator, tests and ops tooling can find replicas and workers.
@@ -152,6 +162,32 @@ class IngressConfig(_Strict):
     num_cpus: float = Field(0.0, ge=0)
     max_ongoing_requests: int = Field(256, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1024, description="Larger request bodies get 413.")
+    body_read_timeout_s: float = Field(
+        30.0, gt=0, le=3600,
+        description="Longest wait for a request body to arrive in full: a client that sends fewer bytes than its "
+        "Content-Length promises gets 408 and its connection is closed.",
+    )
+    api_keys: list[SecretStr] = Field(
+        default_factory=lambda: [SecretStr(k) for k in envs.SPECSERVE_API_KEY],
+        description="Keys a client must send as `Authorization: Bearer KEY` on every /v1 route (/health stays open). "
+        "Empty: no key needed. Default: $SPECSERVE_API_KEY (comma-separated). Printed as '**********'.",
+    )
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, v: list[SecretStr]) -> list[SecretStr]:
+        for key in v:
+            text = key.get_secret_value()
+            if not text or text != text.strip() or not text.isprintable() or not text.isascii():
+                raise ValueError("an API key must be non-empty printable ASCII without surrounding spaces")
+        return v
+
+    @field_serializer("api_keys", when_used="json")
+    def _dump_keys(self, v: list[SecretStr], info: SerializationInfo) -> list[str]:
+        """JSON dumps mask the keys, except with the context {"reveal_secrets": True}: how `build_app` hands
+        them to the ingress replicas."""
+        reveal = bool(info.context and info.context.get("reveal_secrets"))
+        return [k.get_secret_value() if reveal else str(k) for k in v]
 
 
 class SpecDefaults(_Strict):

@@ -14,12 +14,15 @@ not finished (its work was cancelled when the client went away), newly generated
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hashlib
+import hmac
 import json
 import logging
 import types
 import typing
 import uuid
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Iterator, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,12 +30,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from deployments import metrics, tracing  # tracing is a no-op unless OTEL_EXPORTER_OTLP_ENDPOINT is set
 from deployments.config import NO_DRAFT, AppConfig
 from deployments.messages import ErrorEvent, GenerateRequest, StepEvent
 from deployments.protocol import (
     APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
     chat_chunk,
     completion_chunk,
     full_response,
@@ -47,13 +53,43 @@ from deployments.redis_state import RequestStore, redis_url_getter
 from deployments.sse import event_id, parse_event_id, sse_stream
 from pipeline.models.loader import load_tokenizer
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("ray.serve." + __name__)  # Serve's replica logger: its file, level and request ids
 
 MAX_FAILOVERS = 5  # coordinator losses one request survives
 
 
 class _NotStarted(Exception):
     """A resumed request was never stored: start it again."""
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a JSON number")  # Python's json module would accept NaN and Infinity
+
+
+@contextlib.contextmanager
+def _tokenizing(param: str) -> Iterator[None]:
+    """Tokenizer failures on the client's text (whatever got past validation) are a 400 naming the field."""
+    try:
+        yield
+    except Exception as err:
+        template = type(err).__module__.startswith("jinja2")  # the chat template refused the messages (raise_exception)
+        if not (template or isinstance(err, (TypeError, ValueError, UnicodeError))):
+            raise
+        logger.info("the tokenizer refused the %s: %s", param, type(err).__name__)
+        why = f"the chat template refused them: {err}" if template else f"could not be tokenized ({type(err).__name__})"
+        raise APIError(f"{param}: {why}", param=param, code="invalid_value") from None
+
+
+def _error_response(request: Request, err: APIError) -> JSONResponse:
+    """The error as OpenAI's body, and one log line: method, path, status, code and parameter, never the text."""
+    log = logger.warning if err.status >= 500 else logger.info
+    log("%s %s -> %d %s%s", request.method, request.url.path, err.status, err.code,
+        f" (param {err.param!r})" if err.param else "")
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 class OpenAIIngress:
@@ -72,12 +108,17 @@ class OpenAIIngress:
         self.store = await RequestStore.connect(redis_url_getter(self.cfg, redis), self.cfg.redis_namespace,
                                                 self.cfg.request_ttl_s)
         self.created = now()
+        self.key_digests = [_digest(k.get_secret_value()) for k in self.cfg.ingress.api_keys]
 
     # -- routes ----------------------------------------------------------------------------------------
     async def health(self) -> JSONResponse:
         return JSONResponse({"status": "ok", "model": self.model_name})
 
-    async def models(self) -> JSONResponse:
+    async def models(self, request: Request) -> JSONResponse:
+        try:
+            self._authorize(request)
+        except APIError as err:
+            return _error_response(request, err)
         return JSONResponse(models_list(self.model_name, self.created, self.max_seq_len))
 
     async def completions(self, request: Request):
@@ -87,8 +128,26 @@ class OpenAIIngress:
         return await self._handle("chat", request)
 
     # -- handling ----------------------------------------------------------------------------------------
+    def _authorize(self, request: Request) -> None:
+        """OpenAI's `Authorization: Bearer KEY`, when keys are configured; a missing or wrong key is a 401. Every
+        configured key is compared (digests, in constant time), so the time taken says nothing about the key."""
+        if not self.key_digests:
+            return
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        given = given.strip()
+        if scheme.lower() != "bearer" or not given:
+            raise APIError("You didn't provide an API key. Send it in the Authorization header as 'Bearer KEY'.",
+                           401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        digest, match = _digest(given), False
+        for want in self.key_digests:
+            match |= hmac.compare_digest(digest, want)
+        if not match:
+            raise APIError("Incorrect API key provided.", 401, code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
     async def _handle(self, kind: str, request: Request):
         try:
+            self._authorize(request)
             body = await self._read_json(request)
             last_event_id = request.headers.get("last-event-id")
             if last_event_id:
@@ -108,7 +167,7 @@ class OpenAIIngress:
             spec = req.spec_params(self.cfg.speculation.num_draft_tokens, self.cfg.speculation.draft_top_k,
                                    self.has_drafter)
         except APIError as err:
-            return JSONResponse(err.body(), status_code=err.status)
+            return _error_response(request, err)
 
         rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
         # The request's root span (a child of the client's `traceparent`, if any); the timer ends it.
@@ -122,7 +181,7 @@ class OpenAIIngress:
             chunks = self._chunks(kind, rid, payload.created, events, req.include_usage, timer)
             return StreamingResponse(sse_stream(chunks), media_type="text/event-stream",
                                      headers={"X-Request-Id": rid, "Cache-Control": "no-cache"})
-        return await self._aggregate(kind, rid, payload.created, events, timer)
+        return await self._aggregate(request, kind, rid, payload.created, events, timer)
 
     async def _read_json(self, request: Request) -> Any:
         limit = self.cfg.ingress.max_body_bytes
@@ -131,19 +190,35 @@ class OpenAIIngress:
             raise APIError(f"request body of {declared} bytes exceeds the limit of {limit} bytes", 413,
                            code="request_too_large")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise APIError(f"request body exceeds the limit of {limit} bytes", 413, code="request_too_large")
-            chunks.append(chunk)
+        timeout_s = self.cfg.ingress.body_read_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):  # a body that never arrives in full must not hold its connection
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise APIError(f"request body exceeds the limit of {limit} bytes", 413,
+                                       code="request_too_large")
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise APIError(f"the request body did not arrive in full within {timeout_s:g} s ({size} bytes came)",
+                           408, code="request_timeout", headers={"Connection": "close"}) from None
+        except ClientDisconnect:  # the ASGI server saw the client go (without Serve cancelling this request)
+            raise APIError(f"the client went away mid-upload, after {size} bytes of its request body", 499,
+                           code="client_disconnected") from None
+        except asyncio.CancelledError:  # Serve's proxy saw the client go and cancelled this request
+            logger.info("%s %s: the client went away mid-upload, after %d bytes of its request body",
+                        request.method, request.url.path, size)
+            raise
         raw = b"".join(chunks)
         if not raw.strip():
             if request.headers.get("last-event-id"):
                 return {}
             raise APIError("the request body is empty; expected a JSON object", code="invalid_json")
         try:
-            return json.loads(raw)
+            return json.loads(raw, parse_constant=_no_constant)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise APIError(f"malformed JSON body: {err}", code="invalid_json") from None
+        except ValueError as err:
             raise APIError(f"malformed JSON body: {err}", code="invalid_json") from None
 
     def _encode(self, kind: str, req: Any) -> list[int]:
@@ -157,13 +232,15 @@ class OpenAIIngress:
             if self.tokenizer is None:
                 raise APIError("this model has no tokenizer: send the prompt as a list of token ids",
                                param="prompt", code="unsupported")
-            return list(self.tokenizer(req.prompt)["input_ids"])
+            with _tokenizing("prompt"):
+                return list(self.tokenizer(req.prompt)["input_ids"])
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise APIError("this model has no chat template: use /v1/completions", param="messages",
                            code="unsupported")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        with _tokenizing("messages"):
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     async def _resume(self, kind: str, last_event_id: str) -> Any:
         rid, after = parse_event_id(last_event_id)
@@ -250,12 +327,14 @@ class OpenAIIngress:
             status = "ok"
         except asyncio.CancelledError:
             status = "cancelled"
+            logger.info("%s: the client went away mid-stream; its generation is cancelled", rid)
             raise
         finally:
             if timer is not None:
                 timer.finish(status)
 
-    async def _aggregate(self, kind: str, rid: str, created: int, events: AsyncIterator[StepEvent], timer: Any):
+    async def _aggregate(self, request: Request, kind: str, rid: str, created: int, events: AsyncIterator[StepEvent],
+                         timer: Any):
         text, ids, finish, last = [], [], None, None
         try:
             async for ev in events:
@@ -267,7 +346,12 @@ class OpenAIIngress:
         except APIError as err:
             if timer is not None:
                 timer.finish("error")
-            return JSONResponse(err.body(), status_code=err.status)
+            return _error_response(request, err)
+        except asyncio.CancelledError:
+            if timer is not None:
+                timer.finish("cancelled")
+            logger.info("%s: the client went away before its response; its generation is cancelled", rid)
+            raise
         if timer is not None:
             timer.finish("ok")
         u = (last.usage if last is not None else None) or {"prompt_tokens": 0, "completion_tokens": len(ids)}
@@ -280,11 +364,30 @@ class OpenAIIngress:
 
 # -- the route table and the FastAPI app ---------------------------------------------------------------------
 
+def _request_body(model: type) -> dict[str, Any]:
+    """The OpenAPI `requestBody` of a route that reads its body itself (`_read_json`): the pydantic model's JSON
+    schema, its `$defs` inlined, so that /openapi.json describes what the route takes (clients, fuzzing)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(defs[node["$ref"].rsplit("/", 1)[-1]])
+            return {key: inline(value) for key, value in node.items()}
+        if isinstance(node, list):
+            return [inline(value) for value in node]
+        return node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
+
+
 ENDPOINTS: dict[str, Callable[[FastAPI], Callable]] = {
     "health": lambda app: app.get("/health"),
     "models": lambda app: app.get("/v1/models"),
-    "completions": lambda app: app.post("/v1/completions"),
-    "chat_completions": lambda app: app.post("/v1/chat/completions"),
+    "completions": lambda app: app.post("/v1/completions", openapi_extra=_request_body(CompletionRequest)),
+    "chat_completions": lambda app: app.post("/v1/chat/completions",
+                                             openapi_extra=_request_body(ChatCompletionRequest)),
 }
 
 
@@ -292,17 +395,16 @@ def make_fastapi_app() -> FastAPI:
     app = FastAPI(title="specserve", docs_url=None, redoc_url=None)
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, err: APIError) -> JSONResponse:
-        return JSONResponse(err.body(), status_code=err.status)
+    async def _api_error(request: Request, err: APIError) -> JSONResponse:
+        return _error_response(request, err)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(APIError(str(err.detail), err.status_code, code=str(err.status_code)).body(),
-                            status_code=err.status_code)
+    async def _http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        return _error_response(request, APIError(str(err.detail), err.status_code, code=str(err.status_code)))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, err: RequestValidationError) -> JSONResponse:
-        return JSONResponse(APIError(str(err), 400).body(), status_code=400)
+    async def _validation_error(request: Request, err: RequestValidationError) -> JSONResponse:
+        return _error_response(request, APIError(str(err), 400))
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, err: Exception) -> JSONResponse:

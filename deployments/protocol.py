@@ -7,6 +7,7 @@ place as OpenAI's body `{"error": {"message", "type", "param", "code"}}`.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Literal, Optional, Union
 
@@ -25,18 +26,47 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: Optional[str] = None,
         code: Optional[str] = None,
+        headers: Optional[dict[str, str]] = None,
     ) -> None:
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+        self.headers = headers  # extra response headers (WWW-Authenticate, Connection: close)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+# pydantic names the member of a union it tried in the error location ("prompt.list[int].0"): not a parameter.
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none|.*\[.*\]|function-.*)$")
+
+
+def find_unencodable(value: Any, path: str = "") -> Optional[str]:
+    """The path (`messages.0.content`) of the first string in a decoded JSON value that is not valid Unicode
+    (a lone surrogate escape such as "\\ud800", which JSON allows and UTF-8 cannot encode); None if all are."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    if isinstance(value, dict):
+        items: Any = value.items()
+        for key, item in items:
+            found = find_unencodable(key, path) or find_unencodable(item, f"{path}.{key}" if path else str(key))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = find_unencodable(item, f"{path}.{i}" if path else str(i))
+            if found:
+                return found
+    return None
+
+
 def from_validation_error(err: ValidationError) -> APIError:
-    """The first pydantic error, as a 400 naming the offending parameter."""
+    """The first pydantic error, as a 400 naming the offending parameter (its path: `messages.0.role`)."""
     first = err.errors()[0]
-    loc = [str(x) for x in first.get("loc", ())]
+    loc = [str(x) for x in first.get("loc", ()) if not _UNION_TAG.match(str(x))]
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid request")
     if msg.startswith("Value error, "):
@@ -52,17 +82,21 @@ def from_validation_error(err: ValidationError) -> APIError:
 class SpeculationOptions(BaseModel):
     """specserve's extension: how to speculate for this request (`extra_body={"speculation": {...}}`)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     num_draft_tokens: Optional[int] = Field(None, ge=0, le=64, description="K; 0 is plain target decoding.")
     drafter: bool = Field(True, description="False: no drafter, plain target decoding.")
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
     include_usage: bool = True
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # unknown OpenAI fields (user, ...) are ignored, like vLLM
+    """The fields both endpoints take. Strict, as OpenAI's API: `"8"` is not an integer, `"yes"` not a boolean; an
+    integer is a number (`"temperature": 1`)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)  # unknown OpenAI fields (user, ...) are ignored, like vLLM
 
     model: str
     max_tokens: Optional[int] = Field(None, description="Tokens to generate; None: up to the context.")
@@ -148,6 +182,15 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     max_tokens: Optional[int] = 16  # OpenAI's default for completions
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_type(cls, v: Any) -> Any:
+        ids = isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+        texts = isinstance(v, list) and bool(v) and all(isinstance(x, str) for x in v)
+        if not (isinstance(v, str) or ids or texts):
+            raise ValueError("must be a string, a list of one string, or a list of token ids (integers >= 0)")
+        return v
+
     @field_validator("prompt")
     @classmethod
     def _prompt(cls, v: Union[str, list[int], list[str]]) -> Union[str, list[int]]:
@@ -169,7 +212,7 @@ class CompletionRequest(_SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[dict[str, Any]], None] = None
 
@@ -183,7 +226,10 @@ class ChatMessage(BaseModel):
             if part.get("type") != "text":
                 raise APIError(f"content part of type {part.get('type')!r} is not supported",
                                param="messages", code="unsupported")
-            parts.append(str(part.get("text", "")))
+            text = part.get("text", "")
+            if not isinstance(text, str):
+                raise APIError("a text content part's text must be a string", param="messages", code="invalid_value")
+            parts.append(text)
         return "".join(parts)
 
 
@@ -206,6 +252,10 @@ def parse_request(kind: str, body: Any) -> Union[CompletionRequest, ChatCompleti
     """Validate a decoded JSON body; every failure is a 400 APIError."""
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object", code="invalid_json")
+    bad = find_unencodable(body)
+    if bad is not None:
+        raise APIError(f"{bad}: the text holds a lone surrogate escape (\\ud800-\\udfff), which is not Unicode text",
+                       param=bad, code="invalid_value")
     cls = CompletionRequest if kind == "completion" else ChatCompletionRequest
     try:
         req = cls.model_validate(body)

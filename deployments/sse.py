@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator, Optional
 
 from deployments.protocol import APIError
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("ray.serve." + __name__)  # Serve's replica logger: its file, level and request ids
 
 DONE = "data: [DONE]\n\n"
 

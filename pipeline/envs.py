@@ -17,9 +17,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
+    SPECSERVE_API_KEY: tuple[str, ...]
     SPECSERVE_CACHE: Path
     SPECSERVE_REDIS_SERVER: str | None
     TRITON_INTERPRET: bool
+
+
+def _api_key() -> tuple[str, ...]:
+    value = os.environ.get("SPECSERVE_API_KEY", "")
+    return tuple(key.strip() for key in value.split(",") if key.strip())
 
 
 def _cache() -> Path:
@@ -40,6 +46,9 @@ def _triton_interpret() -> bool:
 
 
 environment_variables: dict[str, Callable[[], Any]] = {
+    # API keys of the HTTP server (deployments.config.IngressConfig.api_keys when the config does not set them),
+    # comma-separated; unset or empty: none. `specserve load` and `bench-serve` send the first one by default.
+    "SPECSERVE_API_KEY": _api_key,
     # Root of the model store (pipeline.models.store): downloads/, gguf/ and models/<name>/ (converted safetensors
     # folders, the demo model among them). Unset or empty: ~/.cache/specserve.
     "SPECSERVE_CACHE": _cache,

@@ -27,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None,
                    help="'prompt-lookup', a drafter model folder, or 'lookup+MODEL' (default: the demo target's "
                         "default drafter, as `specserve serve` deploys it)")
+    p.add_argument("--api-key", default=None,
+                   help="the deployed app takes this key and the clients send it (default: the first key of "
+                        "$SPECSERVE_API_KEY; unset: no key)")
     p.add_argument("--out", default="bench-serve")
 
 

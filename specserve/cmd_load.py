@@ -26,7 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens per request")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout in seconds")
-    p.add_argument("--api-key", default=None)
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY' (default: the first key of "
+                                                   "$SPECSERVE_API_KEY, if set)")
     p.add_argument("-o", "--out", default="load-out", help="folder for summary.json, requests.jsonl, PNGs")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
@@ -34,14 +35,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here, not at the top: httpx is not needed for `specserve --help`.
+    from pipeline import envs
     from specserve.loadgen import LoadConfig, load_prompts
     from specserve.loadgen import run as run_load
+
+    api_key = args.api_key or next(iter(envs.SPECSERVE_API_KEY), None)
 
     config = LoadConfig(
         url=args.url.rstrip("/"), model=args.model, concurrency=args.concurrency,
         num_requests=args.num_requests, duration_s=args.duration, max_tokens=args.max_tokens,
         temperature=args.temperature, num_draft_tokens=args.num_draft_tokens, endpoint=args.endpoint,
-        ignore_eos=args.ignore_eos, seed=args.seed, timeout_s=args.timeout, api_key=args.api_key,
+        ignore_eos=args.ignore_eos, seed=args.seed, timeout_s=args.timeout, api_key=api_key,
     )
     summary = run_load(config, load_prompts(args.prompts), args.out, progress=not args.no_progress,
                        plots=not args.no_plots)

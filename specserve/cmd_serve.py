@@ -32,7 +32,11 @@ def register(subparsers: Any) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None,
                    help="YAML: a Serve config file (its first application's args) or AppConfig fields")
-    p.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1; 0.0.0.0 for all)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="HTTP host (default 127.0.0.1; 0.0.0.0 for all, which needs an API key)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="a key clients must send as 'Authorization: Bearer KEY' (repeatable, or a comma list; "
+                        "default: the config's ingress.api_keys, else $SPECSERVE_API_KEY)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
                    help=f"Prometheus port of the local Ray node's metrics agent: /metrics with specserve's "
@@ -105,7 +109,29 @@ def load_config(args: argparse.Namespace):  # -> deployments.config.AppConfig
     put("target.resources.torch_threads", args.target_threads)
     if args.no_overlap:
         put("coordinator.overlap", False)
+    if args.api_key:
+        put("ingress.api_keys", [key.strip() for arg in args.api_key for key in arg.split(",") if key.strip()])
     return AppConfig.model_validate(data)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether an HTTP host binds the loopback interface only (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve beyond loopback
+
+
+def check_exposure(host: str, cfg: Any) -> None:
+    """Nothing listens beyond loopback without a key: raise (one line) when `host` is not loopback and `cfg`
+    (an AppConfig) has no API key."""
+    if not cfg.ingress.api_keys and not is_loopback(host):
+        raise ValueError(f"refusing to serve on {host} without an API key: pass --api-key KEY (or set "
+                         "SPECSERVE_API_KEY, or ingress.api_keys in the config), or serve on 127.0.0.1")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -119,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_config(args)
     except ValidationError as err:
         raise ValueError(f"invalid configuration: {err.errors()[0]['loc']}: {err.errors()[0]['msg']}") from None
+    check_exposure(args.host, cfg)
 
     # Ray's metrics agent listens on loopback when the node's IP is 127.0.0.1, else on every interface.
     metrics = {} if args.address else {"_metrics_export_port": _check_metrics_port(args.metrics_port)}
@@ -190,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
                 print("specserve: the signal reached Ray's own processes too; skipping Serve's graceful shutdown",
                       flush=True)
             else:
-                serve.shutdown()
+                _shutdown_serve()
         finally:
             ray.shutdown()
             # Stopped: a late stop signal (the group's, or one Ray's own shutdown passes on) must not kill the
@@ -231,6 +258,35 @@ def _metrics_url() -> str | None:
     except Exception:  # noqa: BLE001 - an informational line; serving goes on without it
         pass
     return None
+
+
+def _shutdown_serve(timeout_s: float = 30.0) -> None:
+    """`serve.shutdown()`, without its line of noise. Serve's controller is an actor with infinite task retries, and
+    its `graceful_shutdown` call returns only by failing, when the controller kills itself at the end of the shutdown;
+    the driver then reports "Task ServeController.graceful_shutdown failed. There are infinite retries remaining"
+    (no retry runs: the actor is gone for good). The same call made with no retries fails quietly. Private API
+    (Serve's client): when it changes, the usual `serve.shutdown()`."""
+    import ray
+    from ray import serve
+
+    try:
+        from ray.serve.context import _disconnect, _get_global_client
+
+        client = _get_global_client(raise_if_no_controller_running=False)
+        controller, done = client._controller, client._shutdown
+    except Exception:  # noqa: BLE001 - private API changed, or no Serve: Serve's own shutdown
+        serve.shutdown()
+        return
+    if not done:
+        client.shutdown_cached_handles()
+        try:
+            ray.get(controller.graceful_shutdown.options(max_task_retries=0).remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:
+            pass  # the controller has shut everything down and exited: the only way this call returns
+        except ray.exceptions.GetTimeoutError:
+            print(f"specserve: Serve's controller did not shut down within {timeout_s:g} s", flush=True)
+        client._shutdown = True
+    _disconnect()
 
 
 def _local_ray_hit(wait_s: float = 1.0) -> bool:

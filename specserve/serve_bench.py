@@ -31,6 +31,7 @@ from ray import serve
 
 from deployments.app import build_app
 from deployments.ray_env import apply_ray_defaults
+from pipeline import envs
 from pipeline.config import EngineConfig, SamplingParams, SpecParams
 from pipeline.drafters import HYBRID_PREFIX, draft_model_spec
 from pipeline.engine import SpeculativeEngine, default_draft
@@ -113,16 +114,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            "drafter": {"draft": draft, "resources": {"torch_threads": args.threads}},
            "speculation": {"num_draft_tokens": args.num_draft_tokens},
            "coordinator": {"overlap": not args.no_overlap, "adaptive_k": not args.fixed_k}}
+    api_key = getattr(args, "api_key", None) or next(iter(envs.SPECSERVE_API_KEY), None)
+    cfg["ingress"] = {"api_keys": [api_key] if api_key else []}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     serve.run(build_app(cfg), name="bench", route_prefix="/", logging_config=quiet)
     url = f"http://127.0.0.1:{port}/v1/completions"
-    model = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
+    model = httpx.get(f"http://127.0.0.1:{port}/v1/models", headers=headers).json()["data"][0]["id"]
 
     def body(ids: list[int]) -> dict:
         return {"model": model, "prompt": ids, "max_tokens": args.max_tokens, "temperature": 0, "seed": 0,
                 "stream": True, "speculation": {"num_draft_tokens": args.num_draft_tokens}}
 
     async def run_http(batch: list[list[int]]) -> tuple[list[dict], float]:
-        async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64)) as client:
+        async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64), headers=headers) as client:
             t0 = time.perf_counter()
             res = await asyncio.gather(*[http_stream(client, url, body(ids)) for ids in batch])
             return res, time.perf_counter() - t0
