@@ -119,10 +119,20 @@ class OpenAIIngress:
         events = self._events(rid, lambda: self.coord.options(stream=True).generate.remote(payload))
         timer = metrics.RequestTimer(len(prompt_ids), span=span)
         if req.stream:
+            try:  # the first step awaited here: a request refused admission gets its HTTP status (429)
+                events = await _started(events)
+            except APIError as err:
+                timer.finish("error")
+                return self._error(err)
             chunks = self._chunks(kind, rid, payload.created, events, req.include_usage, timer)
             return StreamingResponse(sse_stream(chunks), media_type="text/event-stream",
                                      headers={"X-Request-Id": rid, "Cache-Control": "no-cache"})
         return await self._aggregate(kind, rid, payload.created, events, timer)
+
+    def _error(self, err: APIError) -> JSONResponse:
+        """An error response; a 429 (every slot queue full) says when to retry."""
+        headers = {"Retry-After": str(self.cfg.coordinator.retry_after_s)} if err.status == 429 else None
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
     async def _read_json(self, request: Request) -> Any:
         limit = self.cfg.ingress.max_body_bytes
@@ -267,7 +277,7 @@ class OpenAIIngress:
         except APIError as err:
             if timer is not None:
                 timer.finish("error")
-            return JSONResponse(err.body(), status_code=err.status)
+            return self._error(err)
         if timer is not None:
             timer.finish("ok")
         u = (last.usage if last is not None else None) or {"prompt_tokens": 0, "completion_tokens": len(ids)}
@@ -276,6 +286,25 @@ class OpenAIIngress:
                              usage(u["prompt_tokens"], u["completion_tokens"]), spec)
         body["choices"][0]["token_ids"] = ids
         return JSONResponse(body, headers={"X-Request-Id": rid})
+
+
+async def _started(events: AsyncIterator[StepEvent]) -> AsyncIterator[StepEvent]:
+    """`events` with its first event already awaited (an error before it raises here)."""
+    try:
+        first = await events.__anext__()
+    except StopAsyncIteration:
+        first = None
+
+    async def chained() -> AsyncIterator[StepEvent]:
+        try:
+            if first is not None:
+                yield first
+                async for ev in events:
+                    yield ev
+        finally:
+            await events.aclose()  # closed early (client gone): stop the coordinator's work
+
+    return chained()
 
 
 # -- the route table and the FastAPI app ---------------------------------------------------------------------
