@@ -23,7 +23,7 @@ from typing import Callable, Optional
 
 QUEUE_FULL = "queue_full"  # a worker's answer to a bounded acquire when its queue is full
 PREEMPTED = "preempted"  # a worker's answer to a call whose request lost its slot under memory pressure
-IDLE_RECLAIM_S = 60.0  # a slot holder that has not called for this long loses its slot to a waiting request
+IDLE_RECLAIM_S = 30.0  # a slot holder that has not called for this long loses its slot to a waiting request
 
 
 class QueueFull(Exception):
@@ -104,7 +104,7 @@ class SlotQueue:
         try:
             while True:
                 try:
-                    slot = await asyncio.wait_for(asyncio.shield(fut), self.idle_s)
+                    slot = await asyncio.wait_for(asyncio.shield(fut), self.idle_s / 4)
                     break
                 except asyncio.TimeoutError:
                     self.reclaim_idle()

@@ -232,6 +232,9 @@ class Coordinator:
                     if isinstance(run.persist.exception(), NotOwner):
                         raise APIError("this request was taken over by another stream", 409, code="taken_over")
                 queue.put_nowait(await self._step(run, state))
+            # The slots are free for the next request now: not when the stream's generator is closed, which Serve may
+            # leave to the garbage collector once the ingress has the last event.
+            self._release(run, state.request_id)
             await self._flush(run)
             queue.put_nowait(_END)
         except asyncio.CancelledError:
@@ -537,13 +540,16 @@ class Coordinator:
         self._release(run, state.request_id)
 
     def _release(self, run: _Run, rid: str) -> None:
+        """Give the request's slots (or places in their queues) back; once: the handles are dropped."""
         self._drop_predraft(run)
         if run.target_handle is not None:
             self.targets.release(run.target)
             run.target_handle.release.remote([rid])
+            run.target_handle = None
         if run.drafter_handle is not None:
             self.drafters.release(run.drafter)
             run.drafter_handle.release.remote([rid])
+            run.drafter_handle = None
 
     def _gauge(self) -> None:
         metrics.set_active_requests(self.active)

@@ -171,6 +171,7 @@ class TargetWorker:
                 if self.slots.slot_of(r.request_id) is None:  # released while its call was queued
                     results[b] = PREEMPTED
                     continue
+                self.slots.touch(r.request_id)  # alive: a long prefill spans many passes
                 if r.prefix is not None:
                     assert len(r.prefix) == r.start, f"prefix has {len(r.prefix)} tokens, start is {r.start}"
                     slot = self.slots.slot_of(r.request_id)
