@@ -71,8 +71,20 @@ class TargetConfig(_Strict):
     model: Optional[str] = Field(None, description="Target model folder; None: the demo target (SmolLM2-135M).")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs (workers) per replica, on one node.")
     resources: Resources = Field(default_factory=Resources)
-    max_batch_size: int = Field(16, ge=1, description="KV-cache slots: requests one replica holds at once.")
+    max_batch_size: int = Field(
+        16, ge=1, description="Most KV-cache slots (requests one replica holds at once, rows of a pass); the "
+        "memory budget may allow fewer (kv_cache_gb).")
     max_seq_len: int = Field(2048, ge=8, description="Prompt + generated tokens per request.")
+    kv_cache_gb: Optional[float] = Field(
+        None, gt=0, description="KV-cache memory per worker (rank), GiB; slots = what it holds of max_seq_len "
+        "positions each, at most max_batch_size (deployments.admission.kv_cache_slots). None: on CUDA "
+        "kv_cache_fraction of the device memory free after loading the model, on CPU max_batch_size slots.")
+    kv_cache_fraction: float = Field(
+        0.9, gt=0, le=1, description="Share of the free device memory the KV cache may take when kv_cache_gb is None "
+        "(CUDA only).")
+    max_waiting: int = Field(
+        64, ge=0, description="Requests one replica queues for a free KV-cache slot; a request that finds every "
+        "replica's queue full gets HTTP 429 with Retry-After.")
     batch_wait_ms: float = Field(
         1.0, ge=0, le=50,
         description="Longest wait for other requests' verify calls to join a target pass. Only waited for "
@@ -105,7 +117,12 @@ class DrafterConfig(_Strict):
         "pipeline.drafters.HybridDrafter); 'none': target-only decoding.",
     )
     resources: Resources = Field(default_factory=Resources)
-    max_batch_size: int = Field(16, ge=1, description="KV-cache slots per drafter replica.")
+    max_batch_size: int = Field(16, ge=1, description="Most KV-cache slots per drafter replica (requests it drafts "
+                                "for at once); the memory budget may allow fewer.")
+    kv_cache_gb: Optional[float] = Field(
+        None, gt=0, description="KV-cache memory of a drafter worker, GiB (as target.kv_cache_gb).")
+    kv_cache_fraction: float = Field(
+        0.9, gt=0, le=1, description="As target.kv_cache_fraction, for a drafter worker (CUDA only).")
     batch_wait_ms: float = Field(0.0, ge=0, le=50, description="As for the target; 0: never wait.")
     device: str = "cpu"
     dtype: str = "float32"
@@ -155,6 +172,9 @@ class CoordinatorConfig(_Strict):
     draft_timeout_s: float = Field(10.0, gt=0, description="A drafter call slower than this counts as lost.")
     verify_timeout_s: float = Field(120.0, gt=0, description="A target call slower than this counts as lost.")
     replica_wait_s: float = Field(60.0, gt=0, description="How long to wait for a target worker to (re)appear.")
+    retry_after_s: int = Field(
+        2, ge=1, description="Retry-After (seconds) of the 429 a request gets when every target replica's slot "
+        "queue is full.")
 
 
 class IngressConfig(_Strict):

@@ -18,6 +18,11 @@ Per step (step t of a request with committed context C_t, last token "pending"),
    critical path: a step lost in a crash is regenerated identically from (seed, step)), and yield it.
 Failures: a lost drafter -> another drafter, else target-only steps; a lost target -> another target,
 rebuilt from the committed token ids (prefill); a cache miss -> the same with the prefix.
+
+Admission (deployments.admission): before its first step a request takes a KV-cache slot on a target worker
+(`_admit`: the least loaded one; when its queue is full, the next; when every one is full, HTTP 429), waiting there
+in FIFO order while all slots are held, then one on its drafter worker. It keeps them until it finishes, fails, is
+cancelled or abandoned (`_release`).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import torch
 from ray import serve
 
 from deployments import metrics, tracing  # tracing is a no-op unless OTEL_EXPORTER_OTLP_ENDPOINT is set
+from deployments.admission import PREEMPTED, QUEUE_FULL
 from deployments.config import DRAFTER, TARGET, AppConfig
 from deployments.messages import (
     ErrorEvent,
@@ -89,9 +95,10 @@ class _Run:
     k_used: dict[int, int] = field(default_factory=dict)  # K of this request's steps -> count
     timing: dict[str, float] = field(default_factory=lambda: {"draft_s": 0.0, "verify_s": 0.0, "step_s": 0.0})
     trace: Optional[dict] = None  # W3C context of this request's coordinator span (deployments.tracing)
+    queue_wait_s: float = 0.0  # time spent waiting for KV-cache slots (target and drafter)
     counters: dict[str, int] = field(default_factory=lambda: {
         "overlap_tries": 0, "overlap_hits": 0, "target_replays": 0, "target_failovers": 0,
-        "drafter_failovers": 0, "steps_without_draft": 0})
+        "drafter_failovers": 0, "steps_without_draft": 0, "preemptions": 0})
 
 
 class Coordinator:
@@ -138,10 +145,18 @@ class Coordinator:
         )
         if self.tokenizer is not None:
             state.attach_tokenizer(self.tokenizer)
+        run = _Run(spec=request.spec)
         with tracing.span("coordinator.admit", parent=request.trace, request_id=state.request_id):
-            await self.store.create(state.request_id, self.owner, state.to_dict(), kind=request.kind,
-                                    model=request.model, created=request.created, spec=spec_to_json(request.spec))
-        async for events in self._loop(state, request.spec, prefer_target=None, trace=request.trace):
+            await self._admit(run, state.request_id, bounded=True)  # 429 before anything is stored
+            try:
+                await self.store.create(state.request_id, self.owner, state.to_dict(), kind=request.kind,
+                                        model=request.model, created=request.created,
+                                        spec=spec_to_json(request.spec))
+            except BaseException:
+                self._release(run, state.request_id)
+                raise
+            self._persist_fields(run, state.request_id, target_worker=run.target)
+        async for events in self._loop(state, request.spec, prefer_target=None, trace=request.trace, run=run):
             yield events
 
     async def _resume(self, request_id: str, after: int) -> AsyncIterator[list[StepEvent]]:
@@ -163,9 +178,10 @@ class Coordinator:
 
     # -- the loop --------------------------------------------------------------------------------------
     async def _loop(self, state: RequestState, spec: SpecParams, prefer_target: Optional[str],
-                    trace: Optional[dict] = None) -> AsyncIterator[list[StepEvent]]:
-        run = _Run(spec=spec)
-        run.target, run.maybe_warm = prefer_target, prefer_target is not None
+                    trace: Optional[dict] = None, run: Optional[_Run] = None) -> AsyncIterator[list[StepEvent]]:
+        if run is None:  # resumed: admitted at its first step, on its old target worker if that still lives
+            run = _Run(spec=spec)
+            run.target, run.maybe_warm = prefer_target, prefer_target is not None
         # Not made current: it spans the generator's yields. Steps name it as their parent via run.trace.
         span = tracing.start_span("coordinator.request", parent=trace, request_id=state.request_id,
                                   k=spec.num_draft_tokens, coordinator=self.owner, resumed=prefer_target is not None)
@@ -216,6 +232,9 @@ class Coordinator:
                     if isinstance(run.persist.exception(), NotOwner):
                         raise APIError("this request was taken over by another stream", 409, code="taken_over")
                 queue.put_nowait(await self._step(run, state))
+            # The slots are free for the next request now: not when the stream's generator is closed, which Serve may
+            # leave to the garbage collector once the ingress has the last event.
+            self._release(run, state.request_id)
             await self._flush(run)
             queue.put_nowait(_END)
         except asyncio.CancelledError:
@@ -275,7 +294,8 @@ class Coordinator:
                 "num_draft_tokens": run.spec.num_draft_tokens,
                 "adaptive_k": self.k_policy is not None and state.params.greedy,
                 "k_steps": {str(n): c for n, c in sorted(run.k_used.items())},  # K drafted -> steps
-                "drafter": self.cfg.drafter.draft, "seed": state.params.seed}
+                "drafter": self.cfg.drafter.draft, "seed": state.params.seed,
+                "queue_wait_s": round(run.queue_wait_s, 4)}
         self._persist(run, state, expected_step, committed, event)
         if not state.finished:
             run.timing["step_s"] += time.perf_counter() - t0
@@ -323,6 +343,13 @@ class Coordinator:
                 self.drafters.acquire(run.drafter)
                 run.drafter_base = -1
                 self._persist_fields(run, state.request_id, drafter_worker=run.drafter)
+                try:  # a slot there (after the target's: no two requests wait for each other), waiting its turn
+                    run.queue_wait_s += await run.drafter_handle.admit.remote(state.request_id)
+                except Exception as err:  # noqa: BLE001
+                    if not is_actor_lost(err):
+                        raise
+                    self._drafter_lost(run)
+                    continue
             base = run.drafter_base if run.drafter_base >= 0 else 0
             call = ProposeCall(state.request_id, base, state.context_view[base:], want + extra, state.params,
                                state.step, run.spec.draft_top_k)
@@ -387,16 +414,11 @@ class Coordinator:
     async def _verify(self, run: _Run, call: VerifyCall, state: RequestState) -> Verdict:
         timeout = self.cfg.coordinator.verify_timeout_s
         for _ in range(4):
-            if run.target_handle is None:
-                got = await self.targets.wait_pick(self.cfg.coordinator.replica_wait_s, prefer=run.target)
-                if got is None:
-                    raise APIError("no target replica is available", 503, type="server_error",
-                                   code="no_target_replica")
-                hoped = run.maybe_warm and got[0] == run.target
+            if run.target_handle is None:  # failed over, resumed, or preempted: queue for a slot (never refused)
+                before = run.target
+                await self._admit(run, call.request_id, bounded=False)
+                run.target_warm = run.maybe_warm and run.target == before  # a miss will tell otherwise
                 run.maybe_warm = False
-                run.target, run.target_handle = got
-                run.target_warm = hoped  # a miss will tell otherwise
-                self.targets.acquire(run.target)
                 self._persist_fields(run, call.request_id, target_worker=run.target)
             if not run.target_warm and call.prefix is None:
                 call.prefix = state.context[:-1]
@@ -414,9 +436,62 @@ class Coordinator:
                 run.counters["target_replays"] += 1
                 call.prefix = state.context[:-1]
                 continue
+            if verdict == PREEMPTED:  # its slot was taken back under memory pressure: queue again, then replay
+                run.counters["preemptions"] += 1
+                self.targets.release(run.target)
+                run.target_handle, run.target_warm = None, False
+                call.prefix = state.context[:-1]
+                continue
             run.target_warm = True
             return verdict
         raise APIError("the target replicas kept failing", 503, type="server_error", code="target_unavailable")
+
+    async def _admit(self, run: _Run, rid: str, bounded: bool) -> None:
+        """Hold a KV-cache slot on a target worker (-> run.target, run.target_handle): the preferred or least loaded
+        one, waiting there in FIFO order while its slots are held. bounded: a worker whose queue is full answers
+        QUEUE_FULL, and the next one is asked; when every one is full, HTTP 429."""
+        t0 = time.monotonic()
+        full: set[str] = set()
+        lost = 0
+        while True:
+            if full:
+                got = await self.targets.pick(exclude=frozenset(full))
+            else:
+                got = await self.targets.wait_pick(self.cfg.coordinator.replica_wait_s, prefer=run.target)
+            if got is None and full:
+                metrics.record_admission_rejection("request")
+                raise APIError(f"all {len(full)} target replicas are busy and their queues are full; retry later",
+                               429, type="rate_limit_error", code="queue_full")
+            if got is None:
+                raise APIError("no target replica is available", 503, type="server_error", code="no_target_replica")
+            name, handle = got
+            run.target, run.target_handle = name, handle  # set while queued: an abandon releases the place too
+            self.targets.acquire(name)
+            try:
+                answer = await handle.admit.remote(rid, bounded)
+            except asyncio.CancelledError:
+                handle.release.remote([rid])  # gave up waiting (client gone): leave the queue
+                self.targets.release(name)
+                run.target_handle = None
+                raise
+            except Exception as err:  # noqa: BLE001
+                self.targets.release(name)
+                run.target_handle = None
+                if not is_actor_lost(err):
+                    raise
+                self.targets.mark_dead(name)
+                lost += 1
+                if lost > 4:
+                    raise APIError("the target replicas kept failing", 503, type="server_error",
+                                   code="target_unavailable") from err
+                continue
+            if answer == QUEUE_FULL:
+                self.targets.release(name)
+                run.target_handle = None
+                full.add(name)
+                continue
+            run.queue_wait_s += time.monotonic() - t0
+            return
 
     # -- persistence ---------------------------------------------------------------------------------------
     def _persist(self, run: _Run, state: RequestState, expected_step: int, committed: list[int],
@@ -465,13 +540,16 @@ class Coordinator:
         self._release(run, state.request_id)
 
     def _release(self, run: _Run, rid: str) -> None:
+        """Give the request's slots (or places in their queues) back; once: the handles are dropped."""
         self._drop_predraft(run)
         if run.target_handle is not None:
             self.targets.release(run.target)
             run.target_handle.release.remote([rid])
+            run.target_handle = None
         if run.drafter_handle is not None:
             self.drafters.release(run.drafter)
             run.drafter_handle.release.remote([rid])
+            run.drafter_handle = None
 
     def _gauge(self) -> None:
         metrics.set_active_requests(self.active)

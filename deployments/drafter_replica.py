@@ -5,10 +5,15 @@ context the worker already holds, and sends only `new = context[base:]` (a few i
 the whole context). A worker that holds less than `base` (restarted, request moved) answers CACHE_MISS and
 the coordinator resends with base 0. The drafter's own KV cache keeps the longest prefix that still
 matches, so a block drafted optimistically and then rejected costs nothing to roll back.
+
+Slots (deployments.admission): a request acquires one (`admit`, after its target slot, so two requests never wait
+for each other's) before it drafts here and keeps it until it is released; while all are held the next request
+waits its turn instead of evicting another one's cache.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any, Optional, Sequence
@@ -16,10 +21,11 @@ from typing import Any, Optional, Sequence
 import torch
 
 from deployments import metrics, tracing
+from deployments.admission import SlotQueue
 from deployments.batching import StepBatcher
 from deployments.config import DRAFTER, AppConfig
 from deployments.messages import ProposeCall
-from deployments.workers import CACHE_MISS, ModelHost, spawn_workers, warm_up
+from deployments.workers import CACHE_MISS, ModelHost, kv_slots, spawn_workers, warm_up
 from pipeline.drafters import ModelDrafter, ProposeRow
 from pipeline.models.graphs import graphs_on_cuda
 from pipeline.models.loader import load_model
@@ -36,16 +42,21 @@ class DrafterWorker:
     def __init__(
         self, model: str, max_batch_size: int, max_seq_len: int, device: str = "cpu",
         dtype: str = "float32", torch_threads: int = 1, batch_wait_ms: float = 0.0,
-        rank: int = 0, world_size: int = 1,
+        rank: int = 0, world_size: int = 1, kv_cache_gb: Optional[float] = None, kv_cache_fraction: float = 0.9,
     ) -> None:
         torch.set_num_threads(torch_threads)
         runner, _ = load_model(str(resolve(model)), device=device, dtype=dtype)
         runner = graphs_on_cuda(runner)  # CUDA: captured decode steps; CPU unchanged
-        runner.allocate(max_batch_size, max_seq_len + CACHE_SLACK)
-        warm_up(runner, max_batch_size, "drafter")
+        num_slots = kv_slots(runner, device, kv_cache_gb, kv_cache_fraction, max_seq_len + CACHE_SLACK,
+                             max_batch_size, "drafter")
+        runner.allocate(num_slots, max_seq_len + CACHE_SLACK)
+        warm_up(runner, num_slots, "drafter")
         self.drafter = ModelDrafter(runner)
         self._ctx: dict[str, list[int]] = {}
-        self.batcher = StepBatcher(self._run_batch, max_batch_size, batch_wait_ms, name="drafter")
+        # Admission is never refused here (max_waiting: every request that holds a target slot may queue).
+        self.slots = SlotQueue(num_slots, max_waiting=1 << 30, on_free=self._free_later,
+                               on_queue=lambda n: metrics.set_admission_queue(n, DRAFTER.lower()))
+        self.batcher = StepBatcher(self._run_batch, num_slots, batch_wait_ms, name="drafter")
         self.compute_s = 0.0
 
     async def info(self) -> dict[str, Any]:
@@ -57,18 +68,36 @@ class DrafterWorker:
 
     async def stats(self) -> dict[str, Any]:
         return {"batches": self.batcher.batches, "rows": self.batcher.rows, "compute_s": self.compute_s,
-                "requests": len(self._ctx), "active_requests": self.batcher.active()}
+                "requests": len(self._ctx), "slots_used": len(self.slots.holders), "waiting": self.slots.waiting,
+                "active_requests": self.batcher.active()}
+
+    async def admit(self, request_id: str) -> float:
+        """Take a slot for the request, waiting in FIFO order while all are held. -> seconds waited. Cancelled by
+        `release` of the same request id."""
+        new = self.slots.slot_of(request_id) is None
+        _, waited = await self.slots.acquire(request_id, bounded=False)
+        if new:
+            metrics.record_admission_wait(waited, DRAFTER.lower())
+        return waited
 
     async def propose(self, row: ProposeCall, trace: Optional[dict] = None) -> Draft | str:
         """-> the row's Draft (with the sparse distribution it was drawn from), or CACHE_MISS."""
         with tracing.span("drafter.propose", parent=trace, request_id=row.request_id, base=row.base,
                           num_draft=row.num_draft):
+            self.slots.touch(row.request_id)
             return await self.batcher.submit(row.request_id, row)
 
     async def release(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             self.batcher.forget(rid)
         await self.batcher.run_in_worker(lambda: self._release(request_ids))  # between passes, never during one
+        for rid in request_ids:
+            self.slots.release(rid)  # also drops a place in the queue (an admit still waiting)
+
+    def _free_later(self, rid: str) -> None:
+        """A slot taken back (an idle holder's): drop the request's drafter state between passes."""
+        task = asyncio.ensure_future(self.batcher.run_in_worker(lambda: self._release([rid])))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     def _release(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
@@ -113,6 +142,7 @@ class DrafterServer(ModelHost):
             DrafterWorker, DRAFTER, d.resources, 1,
             model=d.model, max_batch_size=d.max_batch_size, max_seq_len=cfg.target.max_seq_len,
             device=d.device, dtype=d.dtype, torch_threads=d.resources.torch_threads, batch_wait_ms=d.batch_wait_ms,
+            kv_cache_gb=d.kv_cache_gb, kv_cache_fraction=d.kv_cache_fraction,
         )
         self._info = await self.workers[0].info.remote()
 

@@ -178,10 +178,21 @@ class OpenAIIngress:
         events = self._events(rid, lambda: self.coord.options(stream=True).generate.remote(payload))
         timer = metrics.RequestTimer(len(prompt_ids), span=span)
         if req.stream:
+            try:  # the first step awaited here: a request refused admission gets its HTTP status (429)
+                events = await _started(events)
+            except APIError as err:
+                timer.finish("error")
+                return self._error(request, err)
             chunks = self._chunks(kind, rid, payload.created, events, req.include_usage, timer)
             return StreamingResponse(sse_stream(chunks), media_type="text/event-stream",
                                      headers={"X-Request-Id": rid, "Cache-Control": "no-cache"})
         return await self._aggregate(request, kind, rid, payload.created, events, timer)
+
+    def _error(self, request: Request, err: APIError) -> JSONResponse:
+        """An error of the request's generation as a response; a 429 (every slot queue full) says when to retry."""
+        if err.status == 429 and not err.headers:
+            err.headers = {"Retry-After": str(self.cfg.coordinator.retry_after_s)}
+        return _error_response(request, err)
 
     async def _read_json(self, request: Request) -> Any:
         limit = self.cfg.ingress.max_body_bytes
@@ -346,7 +357,7 @@ class OpenAIIngress:
         except APIError as err:
             if timer is not None:
                 timer.finish("error")
-            return _error_response(request, err)
+            return self._error(request, err)
         except asyncio.CancelledError:
             if timer is not None:
                 timer.finish("cancelled")
@@ -360,6 +371,25 @@ class OpenAIIngress:
                              usage(u["prompt_tokens"], u["completion_tokens"]), spec)
         body["choices"][0]["token_ids"] = ids
         return JSONResponse(body, headers={"X-Request-Id": rid})
+
+
+async def _started(events: AsyncIterator[StepEvent]) -> AsyncIterator[StepEvent]:
+    """`events` with its first event already awaited (an error before it raises here)."""
+    try:
+        first = await events.__anext__()
+    except StopAsyncIteration:
+        first = None
+
+    async def chained() -> AsyncIterator[StepEvent]:
+        try:
+            if first is not None:
+                yield first
+                async for ev in events:
+                    yield ev
+        finally:
+            await events.aclose()  # closed early (client gone): stop the coordinator's work
+
+    return chained()
 
 
 # -- the route table and the FastAPI app ---------------------------------------------------------------------

@@ -82,6 +82,17 @@ DEFS: dict[str, _Def] = {
         "gauge", "Calls waiting in a worker for the next batched pass, by stage (target / drafter).",
         ("stage",)),
     "specserve_active_requests": _Def("gauge", "Requests being decoded (holding a batch slot)."),
+    "specserve_admission_queue_length": _Def(
+        "gauge", "Requests waiting in a worker's queue for a KV-cache slot, by stage (target / drafter).",
+        ("stage",)),
+    "specserve_admission_wait_seconds": _Def(
+        "histogram", "How long a request waited for a KV-cache slot (0 when one was free), by stage.", ("stage",),
+        LATENCY_BUCKETS + (120.0, 300.0)),
+    "specserve_admission_rejections_total": _Def(
+        "counter", "Requests refused a place in the slot queue, by stage ('target': one replica's queue was full; "
+        "'request': every replica's was, the client got HTTP 429).", ("stage",)),
+    "specserve_preemptions_total": _Def(
+        "counter", "Requests whose KV-cache slot was taken back under memory pressure, by stage.", ("stage",)),
 }
 
 _lock = threading.Lock()
@@ -332,6 +343,23 @@ def set_queue_depth(waiting: int, stage: str) -> None:
 
 def set_active_requests(active: int) -> None:
     _set("specserve_active_requests", active)
+
+
+def set_admission_queue(waiting: int, stage: str) -> None:
+    """Requests waiting for a KV-cache slot in one worker."""
+    get("specserve_admission_queue_length").set(waiting, tags={"stage": stage})
+
+
+def record_admission_wait(seconds: float, stage: str) -> None:
+    _observe("specserve_admission_wait_seconds", seconds, stage)
+
+
+def record_admission_rejection(stage: str) -> None:
+    _inc("specserve_admission_rejections_total", 1.0, stage)
+
+
+def record_preemption(stage: str) -> None:
+    _inc("specserve_preemptions_total", 1.0, stage)
 
 
 class RequestTimer:

@@ -8,8 +8,13 @@ Cache protocol, per request: a call feeds `[pending] + draft` at absolute positi
 cache must hold the request's committed tokens at positions [0, start). It knows it does when it fed this
 request up to at least `start` before (rejected tokens beyond are simply overwritten: rollback is free).
 Otherwise the call must carry `prefix` (the committed tokens [0, start)), which the worker prefills first;
-without it the answer is CACHE_MISS and the coordinator resends with the prefix (replica restarted,
-request moved after a failure, or slot evicted).
+without it the answer is CACHE_MISS and the coordinator resends with the prefix (replica restarted, or request
+moved after a failure).
+
+Slots (deployments.admission): a request acquires one (`admit`) before its first step and keeps it until it is
+released; requests beyond the slots wait in a bounded FIFO queue, they never evict a running request. Only a pass
+that runs out of memory preempts one (the youngest request in it): its call is answered PREEMPTED, and the
+coordinator queues it again.
 
 Prefill is chunked: a prefix is fed PREFILL_CHUNK tokens per target pass (the row goes back into the queue
 until done, then verifies in the same pass as its last chunk), so a long prompt does not stall the decode
@@ -18,19 +23,20 @@ steps of the requests already running on the replica.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
 import torch
 
 from deployments import metrics, tracing
+from deployments.admission import PREEMPTED, QUEUE_FULL, QueueFull, SlotQueue
 from deployments.batching import AGAIN, StepBatcher
 from deployments.config import TARGET, AppConfig
 from deployments.messages import PREFILL_CHUNK, VerifyCall
 from deployments.tp_group import leader_runner, spawn_tensor_parallel_workers
-from deployments.workers import CACHE_MISS, ModelHost, spawn_workers, warm_up
+from deployments.workers import CACHE_MISS, ModelHost, kv_slots, spawn_workers, warm_up
 from pipeline.models.graphs import graphs_on_cuda
 from pipeline.models.loader import load_model
 from pipeline.sampling import SamplingTensors
@@ -48,6 +54,7 @@ class TargetWorker:
         self, model: Optional[str], max_batch_size: int, max_seq_len: int, device: str = "cpu",
         dtype: str = "float32", torch_threads: int = 1, batch_wait_ms: float = 1.0,
         rank: int = 0, world_size: int = 1, tp_init_method: Optional[str] = None, tp_allreduce: str = "auto",
+        kv_cache_gb: Optional[float] = None, kv_cache_fraction: float = 0.9, max_waiting: int = 64,
     ) -> None:
         assert rank == 0, "ranks > 0 of a tensor-parallel replica are tp_group.RankFollower actors"
         torch.set_num_threads(torch_threads)
@@ -58,17 +65,20 @@ class TargetWorker:
             self.model = graphs_on_cuda(load_model(model, device=device, dtype=dtype)[0])
         max_seq_len = min(max_seq_len, self.model.info.max_position_embeddings or max_seq_len)
         self.max_seq_len = max_seq_len
-        self.model.allocate(max_batch_size, max_seq_len + CACHE_SLACK)
-        warm_up(self.model, max_batch_size, "target")
+        num_slots = kv_slots(self.model, device, kv_cache_gb, kv_cache_fraction, max_seq_len + CACHE_SLACK,
+                             max_batch_size, "target")
+        self.model.allocate(num_slots, max_seq_len + CACHE_SLACK)
+        warm_up(self.model, num_slots, "target")
         self.device = torch.device(device)
-        self.num_slots = max_batch_size
-        self._slots: OrderedDict[str, int] = OrderedDict()  # request id -> slot, least recently used first
-        self._fed: dict[str, int] = {}  # request id -> positions [0, fed) written by its calls
+        self.num_slots = num_slots
+        self._fed: dict[str, int] = {}  # request id -> positions [0, fed) written by its calls in its slot
         self._prefilling: dict[str, int] = {}  # request id -> prompt tokens prefilled so far (chunked)
-        self._free = list(range(max_batch_size - 1, -1, -1))
-        self.batcher = StepBatcher(self._run_batch, max_batch_size, batch_wait_ms, name="target",
+        self.slots = SlotQueue(num_slots, max_waiting, on_free=self._drop_cache,
+                               on_queue=lambda n: metrics.set_admission_queue(n, TARGET.lower()))
+        self.batcher = StepBatcher(self._run_batch, num_slots, batch_wait_ms, name="target",
                                    token_budget=PREFILL_TOKEN_BUDGET)
         self.compute_s = 0.0
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
 
     # -- calls -------------------------------------------------------------------------------------------
     async def info(self) -> dict[str, Any]:
@@ -81,51 +91,90 @@ class TargetWorker:
 
     async def stats(self) -> dict[str, Any]:
         return {"batches": self.batcher.batches, "rows": self.batcher.rows, "compute_s": self.compute_s,
-                "slots_used": len(self._slots), "active_requests": self.batcher.active()}
+                "slots_used": len(self.slots.holders), "slots": self.slots.capacity, "waiting": self.slots.waiting,
+                "preempted": self.slots.preempted, "active_requests": self.batcher.active()}
+
+    async def admit(self, request_id: str, bounded: bool = True) -> float | str:
+        """Take a KV-cache slot for the request, waiting in FIFO order while all are held. -> seconds waited, or
+        QUEUE_FULL (bounded, and the queue is full). Cancelled by `release` of the same request id."""
+        try:
+            _, waited = await self._acquire(request_id, bounded)
+        except QueueFull:
+            metrics.record_admission_rejection(TARGET.lower())
+            return QUEUE_FULL
+        return waited
+
+    async def _acquire(self, request_id: str, bounded: bool) -> tuple[int, float]:
+        self._loop = asyncio.get_running_loop()
+        new = self.slots.slot_of(request_id) is None
+        slot, waited = await self.slots.acquire(request_id, bounded)
+        if new:
+            metrics.record_admission_wait(waited, TARGET.lower())
+        return slot, waited
 
     async def verify(self, row: VerifyCall, trace: Optional[dict] = None) -> Verdict | str:
-        """-> the row's Verdict, or CACHE_MISS."""
+        """-> the row's Verdict, CACHE_MISS, or PREEMPTED (its slot was taken back under memory pressure). A request
+        not admitted yet (e.g. its slot was reclaimed) first waits for a slot."""
         with tracing.span("target.verify", parent=trace, request_id=row.request_id, start=row.start,
                           num_draft=len(row.draft.tokens), prefill=row.prefix is not None):
+            if self.slots.slot_of(row.request_id) is None:
+                await self._acquire(row.request_id, bounded=False)
+            self.slots.touch(row.request_id)
             return await self.batcher.submit(row.request_id, row)
 
     async def release(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             self.batcher.forget(rid)
         await self.batcher.run_in_worker(lambda: self._release(request_ids))  # between passes, never during one
+        for rid in request_ids:
+            self.slots.release(rid)  # also drops a place in the queue (an admit still waiting)
 
     def _release(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
-            self._prefilling.pop(rid, None)
-            slot = self._slots.pop(rid, None)
-            self._fed.pop(rid, None)
-            if slot is not None:
-                self._free.append(slot)
+            self._drop_cache(rid)
+
+    def _drop_cache(self, rid: str) -> None:
+        """The request's slot is no longer its own: forget what was fed there."""
+        self._prefilling.pop(rid, None)
+        self._fed.pop(rid, None)
+
+    def _preempt(self, rid: str) -> None:
+        """On the event loop, after a pass that ran out of memory: take `rid`'s slot back and retire it."""
+        if self.slots.preempt(rid) is not None:
+            metrics.record_preemption(TARGET.lower())
+            logger.warning("out of memory in a target pass: preempted %s, %d slots in service", rid,
+                           self.slots.capacity - 1)
 
     # -- the pass (worker thread) ------------------------------------------------------------------------
-    def _slot_for(self, rid: str, pinned: set[str]) -> int:
-        if rid in self._slots:
-            self._slots.move_to_end(rid)
-            return self._slots[rid]
-        if not self._free:  # evict the least recently used request not in this pass; it will replay
-            victim = next(r for r in self._slots if r not in pinned)
-            self._free.append(self._slots.pop(victim))
-            self._fed.pop(victim, None)
-            self._prefilling.pop(victim, None)  # a half-done prefill restarts from 0 in its new slot
-            logger.info("evicted %s from its KV-cache slot", victim)
-        self._slots[rid] = self._free.pop()
-        return self._slots[rid]
-
     def _run_batch(self, rows: Sequence[VerifyCall]) -> list[Any]:
+        try:
+            return self._run_rows(rows)
+        except (torch.cuda.OutOfMemoryError, MemoryError):
+            if len(rows) < 2 or self._loop is None or not self.slots.can_preempt():
+                raise
+            # Memory pressure: the youngest request of the pass gives its slot back (and is queued again); the
+            # others run again in the next pass, which is a row smaller. What the failed pass wrote lies beyond
+            # every row's committed length (or in a prefill that restarts), so nothing needs undoing.
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            victim = max(rows, key=lambda r: self.slots.seq.get(r.request_id, 0)).request_id
+            self._prefilling.pop(victim, None)
+            self._loop.call_soon_threadsafe(self._preempt, victim)
+            return [PREEMPTED if r.request_id == victim else AGAIN for r in rows]
+
+    def _run_rows(self, rows: Sequence[VerifyCall]) -> list[Any]:
         t0 = time.perf_counter()
         results: list[Any] = [None] * len(rows)
         live: list[int] = []
-        pinned = {r.request_id for r in rows}
         with torch.inference_mode():
             for b, r in enumerate(rows):
+                if self.slots.slot_of(r.request_id) is None:  # released while its call was queued
+                    results[b] = PREEMPTED
+                    continue
+                self.slots.touch(r.request_id)  # alive: a long prefill spans many passes
                 if r.prefix is not None:
                     assert len(r.prefix) == r.start, f"prefix has {len(r.prefix)} tokens, start is {r.start}"
-                    slot = self._slot_for(r.request_id, pinned)
+                    slot = self.slots.slot_of(r.request_id)
                     done = self._prefilling.pop(r.request_id, 0)
                     if r.start > done:  # chunked prefill: at most PREFILL_CHUNK prompt tokens per pass
                         end = min(r.start, done + PREFILL_CHUNK)
@@ -142,20 +191,20 @@ class TargetWorker:
                     continue
                 live.append(b)
             if live:
-                outs = self._verify_rows([rows[b] for b in live], pinned)
+                outs = self._verify_rows([rows[b] for b in live])
                 for b, out in zip(live, outs):
                     results[b] = out
         self.compute_s += time.perf_counter() - t0
         metrics.record_verify_latency(time.perf_counter() - t0, scope="compute")
         return results
 
-    def _verify_rows(self, rows: Sequence[VerifyCall], pinned: set[str]) -> list[Verdict]:
+    def _verify_rows(self, rows: Sequence[VerifyCall]) -> list[Verdict]:
         dev = self.device
         # Tokens, positions and slots stay on the host: runners read the positions without a device sync, the graph
         # path sends all three in one copy, and a tensor-parallel leader broadcasts them from the host anyway (a
         # device copy made it copy them back, a sync).
         pending = torch.tensor([r.pending for r in rows], dtype=torch.int64)
-        slots = torch.tensor([self._slot_for(r.request_id, pinned) for r in rows], dtype=torch.int64)
+        slots = torch.tensor([self.slots.slot_of(r.request_id) for r in rows], dtype=torch.int64)
         positions = torch.tensor([r.start for r in rows], dtype=torch.int64)
         sampling = SamplingTensors.from_params([r.params for r in rows], dev)
         steps = torch.tensor([r.step for r in rows], dtype=torch.int64, device=dev)
@@ -177,6 +226,7 @@ class TargetServer(ModelHost):
             TargetWorker, TARGET, t.resources, t.tensor_parallel_size,
             model=t.model, max_batch_size=t.max_batch_size, max_seq_len=t.max_seq_len, device=t.device,
             dtype=t.dtype, torch_threads=t.resources.torch_threads, batch_wait_ms=t.batch_wait_ms,
+            kv_cache_gb=t.kv_cache_gb, kv_cache_fraction=t.kv_cache_fraction, max_waiting=t.max_waiting,
             **({"tp_allreduce": t.tp_allreduce} if t.tensor_parallel_size > 1 else {}),
         )
         self._info = await self.workers[0].info.remote()  # waits for the model to load

@@ -15,11 +15,13 @@ import time
 from typing import Any, Optional
 
 import ray
+import torch
 from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from deployments.admission import kv_cache_slots
 from deployments.autoscaling import ONGOING_REQUESTS
 from deployments.config import Resources, worker_actor_options
 from pipeline.models.base import warmup
@@ -40,6 +42,41 @@ def warm_up(model: Any, max_batch_size: int, role: str) -> int:
     if captured:
         logger.info("%s: %d CUDA graphs captured in %.1f s before serving", role, captured, time.perf_counter() - t0)
     return captured
+
+
+def kv_slots(model: Any, device: str, kv_cache_gb: Optional[float], kv_cache_fraction: float, max_len: int,
+             max_slots: int, role: str) -> int:
+    """KV-cache slots for a loaded, not yet allocated model (`admission.kv_cache_slots`): from kv_cache_gb, else on
+    CUDA from the free device memory, else max_slots. A runner whose shape is unknown (the generic fallback) gets
+    max_slots."""
+    shape = _kv_shape(model)
+    budget: Optional[int] = None
+    if kv_cache_gb is not None:
+        budget = int(kv_cache_gb * 2**30)
+    elif torch.device(device).type == "cuda":
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        budget = int(free * kv_cache_fraction)
+    if shape is None or budget is None:
+        return max_slots
+    layers, kv_heads, head_dim, dtype_bytes = shape
+    slots = kv_cache_slots(layers, kv_heads, head_dim, max_len, dtype_bytes, budget, max_slots)
+    logger.info("%s: %d KV-cache slots of %d positions (budget %.2f GiB, cap %d)", role, slots, max_len,
+                budget / 2**30, max_slots)
+    return slots
+
+
+def _kv_shape(model: Any) -> Optional[tuple[int, int, int, int]]:
+    """(layers, KV heads, head dim, bytes per element) of the innermost runner (a tensor-parallel rank's runner holds
+    its share of the heads), or None."""
+    for _ in range(4):
+        args = getattr(model, "args", None)
+        if args is not None and hasattr(args, "n_kv_heads"):
+            dtype = getattr(model, "dtype", torch.float32)
+            return args.n_layers, args.n_kv_heads, args.head_dim, torch.empty((), dtype=dtype).element_size()
+        model = getattr(model, "runner", None)
+        if model is None:
+            return None
+    return None
 
 
 def worker_name(app: str, role: str, replica_id: str, rank: int = 0) -> str:
@@ -103,21 +140,24 @@ class WorkerPool:
             self.handles = handles
             self._listed_at = now
 
-    async def pick(self, prefer: Optional[str] = None) -> Optional[tuple[str, Any]]:
-        """The preferred worker if alive, else the least loaded one; None if there is none."""
+    async def pick(self, prefer: Optional[str] = None, exclude: frozenset[str] = frozenset(),
+                   ) -> Optional[tuple[str, Any]]:
+        """The preferred worker if alive, else the least loaded one not in `exclude`; None if there is none."""
         await self.refresh()
-        if prefer and prefer in self.handles:
+        if prefer and prefer in self.handles and prefer not in exclude:
             return prefer, self.handles[prefer]
-        if not self.handles:
+        names = [n for n in self.handles if n not in exclude]
+        if not names:
             return None
-        name = min(self.handles, key=lambda n: (self.load.get(n, 0), n))
+        name = min(names, key=lambda n: (self.load.get(n, 0), n))
         return name, self.handles[name]
 
-    async def wait_pick(self, timeout_s: float, prefer: Optional[str] = None) -> Optional[tuple[str, Any]]:
+    async def wait_pick(self, timeout_s: float, prefer: Optional[str] = None, exclude: frozenset[str] = frozenset(),
+                        ) -> Optional[tuple[str, Any]]:
         """pick(), retrying while Serve brings replicas (back) up."""
         deadline = time.monotonic() + timeout_s
         while True:
-            got = await self.pick(prefer)
+            got = await self.pick(prefer, exclude)
             if got is not None or time.monotonic() >= deadline:
                 return got
             await asyncio.sleep(0.25)

@@ -4,11 +4,15 @@ Closed loop: each of `concurrency` clients sends a request, reads its SSE stream
 next, until `num_requests` have been sent or `duration_s` has passed (both bounds are enforced). Per request
 it records the time of the first content chunk (TTFT), the gaps between content chunks (inter-token
 latency, ITL: speculative decoding streams several tokens per chunk, so this is the gap a reader sees),
-the usage and specserve's `speculation` stats from the final chunk, and errors.
+the usage and specserve's `speculation` stats from the final chunk, and errors. The queue wait of a request
+(how long it waited for a KV-cache slot, part of its TTFT) is the server's own measure, `queue_wait_s` in those
+stats; target replays (`target_replays`: prompts fed again) come from there too. Refusals (HTTP 429) are counted
+apart from other failures.
 
 Outputs (in `out_dir`): summary.json (aggregates), requests.jsonl (one record per request), and PNGs:
-ttft.png, itl.png (distributions), tokens_per_s.png (output tokens/s over time, 1 s bins), acceptance.png
-(per-request acceptance rate and mean accepted tokens per step).
+ttft.png, itl.png, queue_wait.png (distributions), latency.png (TTFT and queue wait of each request over the
+run), tokens_per_s.png (output tokens/s over time, 1 s bins), acceptance.png (per-request acceptance rate and
+mean accepted tokens per step).
 """
 
 from __future__ import annotations
@@ -80,6 +84,11 @@ class RequestRecord:
     completion_tokens: int | None = None
     finish_reason: str | None = None
     speculation: dict[str, Any] | None = None
+
+    @property
+    def queue_wait_s(self) -> float | None:
+        """Seconds the server kept the request waiting for a KV-cache slot (its own measure)."""
+        return _spec_get(self.speculation or {}, "queue_wait_s") if self.ok else None
 
     @property
     def itl_s(self) -> list[float]:
@@ -265,6 +274,12 @@ def _stats(values: Iterable[float]) -> dict[str, float] | None:
             "min": v[0], "max": v[-1]}
 
 
+def _total(values: Iterable[Any]) -> int | None:
+    """The sum of the numbers among `values`; None when there is none (a server that does not report them)."""
+    numbers = [v for v in values if isinstance(v, (int, float))]
+    return int(sum(numbers)) if numbers else None
+
+
 def _spec_get(spec: dict[str, Any], *names: str) -> float | None:
     for n in names:
         if isinstance(spec.get(n), (int, float)):
@@ -367,7 +382,8 @@ def summarize(records: Sequence[RequestRecord], wall_s: float, config: LoadConfi
         "config": asdict(config) | {"api_key": None},
         "model": model,
         "wall_s": wall_s,
-        "requests": {"sent": len(records), "ok": len(ok), "failed": len(records) - len(ok), "errors": errors},
+        "requests": {"sent": len(records), "ok": len(ok), "failed": len(records) - len(ok),
+                     "rejected": sum(r.status == 429 for r in records), "errors": errors},
         "throughput": {
             "requests_per_s": len(ok) / wall_s if wall_s else None,
             "output_tokens_per_s": completion / wall_s if wall_s else None,
@@ -375,6 +391,8 @@ def summarize(records: Sequence[RequestRecord], wall_s: float, config: LoadConfi
             "completion_tokens": completion,
         },
         "ttft_s": _stats(r.ttft_s for r in ok if r.ttft_s is not None),
+        "queue_wait_s": _stats(r.queue_wait_s for r in ok if r.queue_wait_s is not None),
+        "target_replays": _total(r.speculation.get("target_replays") for r in ok if r.speculation),
         "itl_s": _stats(g for r in ok for g in r.itl_s),
         "tpot_s": _stats(r.tpot_s for r in ok if r.tpot_s is not None),
         "e2e_s": _stats(r.e2e_s for r in ok if r.e2e_s is not None),
@@ -419,6 +437,28 @@ def write_plots(records: Sequence[RequestRecord], out_dir: Path) -> list[Path]:
 
     hist_ms([r.ttft_s for r in ok if r.ttft_s is not None], "Time to first token", "ttft.png")
     hist_ms([g for r in ok for g in r.itl_s], "Inter-token latency (gap between chunks)", "itl.png")
+    waits = [r.queue_wait_s for r in ok if r.queue_wait_s is not None]
+    hist_ms(waits, "Queue wait for a KV-cache slot (server)", "queue_wait.png")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    timed = sorted((r for r in ok if r.ttft_s is not None), key=lambda r: r.start)
+    if timed:
+        ax.scatter([r.start for r in timed], [r.ttft_s for r in timed], s=12, label="TTFT", color="tab:blue")
+        queued = [r for r in timed if r.queue_wait_s is not None]
+        if queued:
+            ax.scatter([r.start for r in queued], [r.queue_wait_s for r in queued], s=12, marker="x",
+                       label="queue wait", color="tab:red")
+        ttft = _stats(r.ttft_s for r in timed)
+        assert ttft is not None
+        for q, style in (("p50", "-"), ("p99", ":")):
+            ax.axhline(ttft[q], color="tab:blue", linestyle=style, linewidth=0.8, label=f"TTFT {q}")
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("request sent at (s since start)")
+    ax.set_ylabel("s")
+    ax.set_title("TTFT and queue wait per request")
+    save(fig, "latency.png")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     timeline = token_timeline(records)

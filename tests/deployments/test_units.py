@@ -383,6 +383,8 @@ def test_target_worker_chunked_prefill_gives_the_same_verdicts(tiny_models):
     params = SamplingParams(seed=5)
     row = tr.VerifyCall("long", len(prompt) - 1, prompt[-1], Draft([5, 6]), params, 0, prefix=prompt[:-1])
     other = tr.VerifyCall("short", 2, 9, Draft([1]), params, 0, prefix=[4, 8])
+    for rid in ("long", "short"):  # a pass serves requests that hold a slot (verify() admits them)
+        assert asyncio.run(worker.admit(rid)) == 0.0
     results = []
     for _ in range(3):  # the batcher re-queues AGAIN rows; here by hand
         out = worker._run_batch([row, other] if not results else [row])

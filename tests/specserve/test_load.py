@@ -58,7 +58,8 @@ class FakeServer:
                     tail = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 10,
                                                      "total_tokens": 15},
                             "speculation": {"drafted": 12, "accepted": 6, "target_passes": 4,
-                                            "acceptance_by_position": [0.75, 0.5, 0.25]}}
+                                            "acceptance_by_position": [0.75, 0.5, 0.25],
+                                            "queue_wait_s": 0.25, "target_replays": 1}}
                     yield f"data: {json.dumps(tail)}\n\n"
                     yield "data: [DONE]\n\n"
                 finally:
@@ -113,6 +114,8 @@ def test_load_summary_counts_latencies_and_speculation(server, tmp_path):
     assert ttft["count"] == 8 and ttft["p50"] >= CHUNK_GAP_S * 0.9
     assert itl["count"] == 8 * 3 and CHUNK_GAP_S * 0.9 <= itl["p50"] < 10 * CHUNK_GAP_S
     assert summary["tpot_s"]["count"] == 8
+    assert summary["queue_wait_s"]["count"] == 8 and summary["queue_wait_s"]["p99"] == pytest.approx(0.25)
+    assert summary["target_replays"] == 8 and summary["requests"]["rejected"] == 0
     spec = summary["speculation"]
     assert spec["acceptance_rate"] == pytest.approx(0.5)
     assert spec["mean_accepted_tokens"] == pytest.approx((6 + 4) / 4)
@@ -124,9 +127,20 @@ def test_load_summary_counts_latencies_and_speculation(server, tmp_path):
     assert on_disk["requests"] == summary["requests"]
     rows = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
     assert [r["index"] for r in rows] == list(range(10))
-    for name in ("ttft.png", "itl.png", "tokens_per_s.png", "acceptance.png"):
+    for name in ("ttft.png", "itl.png", "queue_wait.png", "latency.png", "tokens_per_s.png", "acceptance.png"):
         data = (tmp_path / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+
+
+def test_refusals_are_counted_apart_and_missing_stats_stay_unknown():
+    config = loadgen.LoadConfig()
+    refused = loadgen.RequestRecord(index=0, client=0, prompt_chars=1, start=0.0, status=429,
+                                    error='HTTP 429: {"error": ...}')
+    plain = loadgen.RequestRecord(index=1, client=0, prompt_chars=1, start=0.0, ok=True, status=200, ttft_s=0.1,
+                                  e2e_s=0.2, completion_tokens=3, speculation={})
+    summary = loadgen.summarize([refused, plain], 1.0, config, "m")
+    assert summary["requests"]["rejected"] == 1 and summary["requests"]["failed"] == 1
+    assert summary["queue_wait_s"] is None and summary["target_replays"] is None  # not reported: not zero
 
 
 def test_duration_bounds_the_run(server):
