@@ -20,12 +20,14 @@ from deployments.batching import StepBatcher
 from deployments.config import DRAFTER, AppConfig
 from deployments.messages import ProposeCall
 from deployments.workers import CACHE_MISS, ModelHost, spawn_workers, warm_up
+from pipeline.config import is_synthetic
 from pipeline.drafters import ModelDrafter, ProposeRow
 from pipeline.models.graphs import graphs_on_cuda
 from pipeline.models.loader import load_model
 from pipeline.models.store import resolve
 from pipeline.sampling import SamplingTensors
 from pipeline.step import CACHE_SLACK, Draft, catch_up, propose
+from pipeline.synthetic import SyntheticDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +41,19 @@ class DrafterWorker:
         rank: int = 0, world_size: int = 1,
     ) -> None:
         torch.set_num_threads(torch_threads)
-        runner, _ = load_model(str(resolve(model)), device=device, dtype=dtype)
+        if is_synthetic(model):  # a measurement aid: a random-weight model of a shape, the recorded continuation
+            synthetic = SyntheticDrafter.from_spec(model, device=device, dtype=dtype)
+            runner = synthetic.model
+        else:
+            runner, _ = load_model(str(resolve(model)), device=device, dtype=dtype)
         runner = graphs_on_cuda(runner)  # CUDA: captured decode steps; CPU unchanged
         runner.allocate(max_batch_size, max_seq_len + CACHE_SLACK)
         warm_up(runner, max_batch_size, "drafter")
-        self.drafter = ModelDrafter(runner)
+        if is_synthetic(model):
+            synthetic.model = runner
+            self.drafter: ModelDrafter = synthetic
+        else:
+            self.drafter = ModelDrafter(runner)
         self._ctx: dict[str, list[int]] = {}
         self.batcher = StepBatcher(self._run_batch, max_batch_size, batch_wait_ms, name="drafter")
         self.compute_s = 0.0
