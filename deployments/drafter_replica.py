@@ -101,8 +101,9 @@ class DrafterWorker:
             rows.append(ProposeRow(c.request_id, ctx, c.num_draft))
         if live:
             lcalls = [calls[b] for b in live]
-            sampling = SamplingTensors.from_params([c.params for c in lcalls])
-            steps = torch.tensor([c.step for c in lcalls], dtype=torch.int64)
+            device = self.drafter.device  # the draft model's: its sampling runs there
+            sampling = SamplingTensors.from_params([c.params for c in lcalls], device)
+            steps = torch.tensor([c.step for c in lcalls], dtype=torch.int64, device=device)
             with torch.inference_mode():
                 catch_up(self.drafter, rows)
                 block = propose(self.drafter, rows, sampling, steps, max(c.draft_top_k for c in lcalls)).to("cpu")
