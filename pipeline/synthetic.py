@@ -84,29 +84,46 @@ class SyntheticDrafter(ModelDrafter):
     """Drafts the recorded continuation, each position kept with probability `alpha`; spends a real draft model's
     time (`model`, any `CausalLM`: its forwards run, its tokens are discarded)."""
 
-    def __init__(self, model: CausalLM, recording: Recording, alpha: float, name: str | None = None) -> None:
+    def __init__(self, model: CausalLM, recording: Recording | str | Path, alpha: float,
+                 name: str | None = None) -> None:
+        """recording: the recording, or its file, read when the first proposal needs it (so a server can start
+        before the target-only run that writes it)."""
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"synthetic drafter: alpha must be in [0, 1], got {alpha}")
-        if model.info.vocab_size < recording.vocab_size:
-            raise ValueError(f"synthetic drafter: the draft shape's vocabulary ({model.info.vocab_size}) must cover "
-                             f"the target's ({recording.vocab_size}): it is fed the target's tokens")
         super().__init__(model, name or f"synthetic:{alpha}:{model.info.name}")
-        self.alpha, self.recording = alpha, recording
-        self._proposals = [synthetic_proposals(p, o, alpha, recording.vocab_size)
+        self.alpha = alpha
+        self._recording: Recording | None = None
+        self._recording_path = None if isinstance(recording, Recording) else Path(recording)
+        if isinstance(recording, Recording):
+            self._use(recording)
+
+    @property
+    def recording(self) -> Recording:
+        if self._recording is None:
+            self._use(Recording.load(self._recording_path))
+        return self._recording
+
+    def _use(self, recording: Recording) -> None:
+        if self.model.info.vocab_size < recording.vocab_size:
+            raise ValueError(f"synthetic drafter: the draft shape's vocabulary ({self.model.info.vocab_size}) must "
+                             f"cover the target's ({recording.vocab_size}): it is fed the target's tokens")
+        self._proposals = [synthetic_proposals(p, o, self.alpha, recording.vocab_size)
                            for p, o in zip(recording.prompts, recording.outputs)]
         self._by_prompt: dict[int, dict[tuple[int, ...], int]] = {}  # prompt length -> prompt -> record index
         for i, p in enumerate(recording.prompts):
             self._by_prompt.setdefault(len(p), {})[tuple(p)] = i
         self._match: dict[str, tuple[int, int] | None] = {}  # request id -> (record index, prompt length)
+        self._recording = recording
 
     @classmethod
     def from_spec(cls, spec: str, device: str = "cpu", dtype: str = "bfloat16", seed: int = 0) -> "SyntheticDrafter":
         """The drafter a `synthetic:ALPHA:SHAPE:RECORDING` word names, its draft model built on `device`."""
         s = parse_synthetic(spec)
-        return cls(timing_model(s.shape, device, dtype, seed), Recording.load(s.recording), s.alpha, name=spec)
+        return cls(timing_model(s.shape, device, dtype, seed), s.recording, s.alpha, name=spec)
 
     def _record_of(self, request_id: str, context: Sequence[int]) -> tuple[int, int] | None:
         """(record index, prompt length) of the recording whose prompt starts the context; None if none does."""
+        self.recording  # noqa: B018 - read on first use
         if request_id not in self._match:
             found = None
             for length, table in self._by_prompt.items():
@@ -141,7 +158,8 @@ class SyntheticDrafter(ModelDrafter):
 
     def release(self, request_id: str) -> None:
         super().release(request_id)
-        self._match.pop(request_id, None)
+        if self._recording is not None:
+            self._match.pop(request_id, None)
 
 
 def timing_model(shape: str, device: str = "cpu", dtype: str = "bfloat16", seed: int = 0) -> CausalLM:
