@@ -427,6 +427,7 @@ def _serve_part(args, folder, rec_path, prompts, streams, placement, outputs, sh
             f"({r.get('target_passes', 0)} passes), drafter {r.get('drafter_compute_ms_per_pass', float('nan')):.2f} "
             f"ms/pass ({r.get('drafter_passes', 0)} passes), exact {r['exact']}")
     # Seeded sampled requests replay identically (two prompts, twice each, speculative).
+    n = min(48, args.max_tokens)
     async def sampled():
         from openai import AsyncOpenAI
 
@@ -434,14 +435,14 @@ def _serve_part(args, folder, rec_path, prompts, streams, placement, outputs, sh
         try:
             runs = []
             for _ in range(2):
-                runs.append([(await http_one(client, model, p, 48, args.k, temperature=0.8, seed=7 + j))["ids"]
+                runs.append([(await http_one(client, model, p, n, args.k, temperature=0.8, seed=7 + j))["ids"]
                              for j, p in enumerate(prompts[:2])])
             return runs
         finally:
             await client.close()
 
     a, b = asyncio.run(sampled())
-    out["sampled_replay_identical"] = a == b and all(len(x) == 48 for x in a)
+    out["sampled_replay_identical"] = a == b and all(len(x) == n for x in a)
     log(f"http [{placement}] seeded sampled replay identical: {out['sampled_replay_identical']}")
     return out
 
