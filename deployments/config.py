@@ -31,7 +31,7 @@ from pydantic import (
 )
 
 from pipeline import envs
-from pipeline.config import HYBRID_PREFIX, NO_DRAFT, PROMPT_LOOKUP, draft_model_spec
+from pipeline.config import HYBRID_PREFIX, NO_DRAFT, PROMPT_LOOKUP, draft_model_spec, is_synthetic, parse_synthetic
 
 # Deployment names: fixed, so the coordinator, tests and ops tooling can find replicas and workers.
 INGRESS = "Ingress"
@@ -114,7 +114,9 @@ class DrafterConfig(_Strict):
         "run inside the coordinator: microseconds, a network hop would cost more than the draft); a draft model "
         "(folder, .gguf or shipped name, e.g. 'smollm2-135m-distill') on drafter replicas; 'lookup+MODEL' (prompt "
         "lookup where the context repeats an n-gram, the model on drafter replicas elsewhere: "
-        "pipeline.drafters.HybridDrafter); 'none': target-only decoding.",
+        "pipeline.drafters.HybridDrafter); 'synthetic:ALPHA:SHAPE:RECORDING' (a measurement aid on drafter replicas: "
+        "the target's recorded greedy continuation, each position kept with probability ALPHA, at the cost of a "
+        "draft model of SHAPE: pipeline.synthetic); 'none': target-only decoding.",
     )
     resources: Resources = Field(default_factory=Resources)
     max_batch_size: int = Field(16, ge=1, description="Most KV-cache slots per drafter replica (requests it drafts "
@@ -133,6 +135,8 @@ class DrafterConfig(_Strict):
         if v in ("prompt_lookup", "hybrid", "model", "default", "") or v == HYBRID_PREFIX:
             raise ValueError(f"drafter.draft={v!r}: use the CLI's words: '{PROMPT_LOOKUP}', a draft model (folder, "
                              f".gguf or shipped name), '{HYBRID_PREFIX}MODEL' or '{NO_DRAFT}'")
+        if is_synthetic(v):
+            parse_synthetic(v)  # a ValueError names the expected form
         return v
 
     @property

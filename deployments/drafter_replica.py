@@ -26,12 +26,14 @@ from deployments.batching import StepBatcher
 from deployments.config import DRAFTER, AppConfig
 from deployments.messages import ProposeCall
 from deployments.workers import CACHE_MISS, ModelHost, kv_slots, spawn_workers, warm_up
+from pipeline.config import is_synthetic
 from pipeline.drafters import ModelDrafter, ProposeRow
 from pipeline.models.graphs import graphs_on_cuda
 from pipeline.models.loader import load_model
 from pipeline.models.store import resolve
 from pipeline.sampling import SamplingTensors
 from pipeline.step import CACHE_SLACK, Draft, catch_up, propose
+from pipeline.synthetic import SyntheticDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +47,21 @@ class DrafterWorker:
         rank: int = 0, world_size: int = 1, kv_cache_gb: Optional[float] = None, kv_cache_fraction: float = 0.9,
     ) -> None:
         torch.set_num_threads(torch_threads)
-        runner, _ = load_model(str(resolve(model)), device=device, dtype=dtype)
+        if is_synthetic(model):  # a measurement aid: a random-weight model of a shape, the recorded continuation
+            synthetic = SyntheticDrafter.from_spec(model, device=device, dtype=dtype)
+            runner = synthetic.model
+        else:
+            runner, _ = load_model(str(resolve(model)), device=device, dtype=dtype)
         runner = graphs_on_cuda(runner)  # CUDA: captured decode steps; CPU unchanged
         num_slots = kv_slots(runner, device, kv_cache_gb, kv_cache_fraction, max_seq_len + CACHE_SLACK,
                              max_batch_size, "drafter")
         runner.allocate(num_slots, max_seq_len + CACHE_SLACK)
         warm_up(runner, num_slots, "drafter")
-        self.drafter = ModelDrafter(runner)
+        if is_synthetic(model):
+            synthetic.model = runner
+            self.drafter: ModelDrafter = synthetic
+        else:
+            self.drafter = ModelDrafter(runner)
         self._ctx: dict[str, list[int]] = {}
         # Admission is never refused here (max_waiting: every request that holds a target slot may queue).
         self.slots = SlotQueue(num_slots, max_waiting=1 << 30, on_free=self._free_later,
@@ -120,8 +130,9 @@ class DrafterWorker:
             rows.append(ProposeRow(c.request_id, ctx, c.num_draft))
         if live:
             lcalls = [calls[b] for b in live]
-            sampling = SamplingTensors.from_params([c.params for c in lcalls])
-            steps = torch.tensor([c.step for c in lcalls], dtype=torch.int64)
+            device = self.drafter.device  # the draft model's: its sampling runs there
+            sampling = SamplingTensors.from_params([c.params for c in lcalls], device)
+            steps = torch.tensor([c.step for c in lcalls], dtype=torch.int64, device=device)
             with torch.inference_mode():
                 catch_up(self.drafter, rows)
                 block = propose(self.drafter, rows, sampling, steps, max(c.draft_top_k for c in lcalls)).to("cpu")

@@ -16,14 +16,47 @@ PROMPT_LOOKUP = "prompt-lookup"  # n-gram copy from the context (pipeline.drafte
 HYBRID_PREFIX = "lookup+"  # "lookup+MODEL": prompt lookup where it matches, the model elsewhere (HybridDrafter)
 NO_DRAFT = "none"  # target-only decoding (the Python API says None)
 DEFAULT_DRAFT = "default"  # the target's default drafter (pipeline.engine.default_draft)
+# "synthetic:ALPHA:SHAPE:RECORDING": a measurement drafter with known acceptance (pipeline.synthetic)
+SYNTHETIC_PREFIX = "synthetic:"
 # anything else names a draft model: a folder, a .gguf file or a shipped drafter's name
 
 
 def draft_model_spec(spec: str) -> str | None:
-    """The draft model a drafter spec names (for a hybrid, its model part); None for prompt lookup or none."""
+    """The draft model a drafter spec names (for a hybrid, its model part); None for prompt lookup or none.
+    A synthetic drafter's word is its own model spec (it runs where draft models run)."""
     if spec in (PROMPT_LOOKUP, NO_DRAFT):
         return None
     return spec[len(HYBRID_PREFIX):] if spec.startswith(HYBRID_PREFIX) else spec
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    """The parts of a `synthetic:ALPHA:SHAPE:RECORDING` drafter word (pipeline.synthetic)."""
+
+    alpha: float  # probability that a drafted position is the target's own (greedy) token
+    shape: str  # the draft model whose time each step spends: a name of pipeline.models.shapes.SHAPES, or a folder
+    recording: str  # JSON file of the target's greedy continuations of the prompts (pipeline.synthetic.Recording)
+
+
+def is_synthetic(spec: str | None) -> bool:
+    return spec is not None and spec.startswith(SYNTHETIC_PREFIX)
+
+
+def parse_synthetic(spec: str) -> SyntheticSpec:
+    """Split and check a synthetic drafter word; ValueError with the expected form otherwise."""
+    form = f"expected '{SYNTHETIC_PREFIX}ALPHA:SHAPE:RECORDING' (e.g. '{SYNTHETIC_PREFIX}0.8:llama-1b:rec.json')"
+    if not is_synthetic(spec):
+        raise ValueError(f"not a synthetic drafter word: {spec!r}; {form}")
+    parts = spec[len(SYNTHETIC_PREFIX):].split(":", 2)
+    if len(parts) != 3 or not all(parts):
+        raise ValueError(f"bad synthetic drafter word {spec!r}: {form}")
+    try:
+        alpha = float(parts[0])
+    except ValueError:
+        raise ValueError(f"bad synthetic drafter word {spec!r}: ALPHA {parts[0]!r} is not a number") from None
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"bad synthetic drafter word {spec!r}: ALPHA must be in [0, 1], got {alpha}")
+    return SyntheticSpec(alpha, parts[1], parts[2])
 
 
 class InvalidParam(ValueError):

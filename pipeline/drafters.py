@@ -15,7 +15,13 @@ import numpy as np
 import torch
 
 from pipeline.compat import check_compatible
-from pipeline.config import HYBRID_PREFIX, NO_DRAFT, PROMPT_LOOKUP, draft_model_spec  # noqa: F401 - draft_model_spec: re-exported
+from pipeline.config import (  # noqa: F401 - draft_model_spec: re-exported
+    HYBRID_PREFIX,
+    NO_DRAFT,
+    PROMPT_LOOKUP,
+    draft_model_spec,
+    is_synthetic,
+)
 from pipeline.models.base import CausalLM
 from pipeline.models.loader import load_model
 from pipeline.models.store import resolve
@@ -361,7 +367,8 @@ def lookup_part(spec: str | None) -> PromptLookupDrafter | None:
 
 def build_drafter(spec: str | None, target_info, tokenizer, device: str = "cpu", dtype: str = "float32"):
     """A drafter from its spec (the drafter vocabulary of pipeline.config): None or "none" (no speculation),
-    "prompt-lookup", a draft model (folder, .gguf or store name), or "lookup+MODEL" (`HybridDrafter`). A draft model
+    "prompt-lookup", a draft model (folder, .gguf or store name), "lookup+MODEL" (`HybridDrafter`), or
+    "synthetic:ALPHA:SHAPE:RECORDING" (`pipeline.synthetic.SyntheticDrafter`, a measurement aid). A draft model
     must pass the compatibility check against the target (`pipeline.compat.check_compatible`)."""
     if spec is None or spec == NO_DRAFT:
         return None
@@ -369,6 +376,10 @@ def build_drafter(spec: str | None, target_info, tokenizer, device: str = "cpu",
         return PromptLookupDrafter()
     if spec.startswith(HYBRID_PREFIX):
         return HybridDrafter(build_drafter(spec[len(HYBRID_PREFIX):], target_info, tokenizer, device, dtype))
+    if is_synthetic(spec):  # a measurement aid: the recorded continuation at a set acceptance, a real model's time
+        from pipeline.synthetic import SyntheticDrafter
+
+        return SyntheticDrafter.from_spec(spec, device, dtype)
     draft_model, draft_tok = load_model(str(resolve(spec)), device=device, dtype=dtype)
     check_compatible(target_info, tokenizer, draft_model.info, draft_tok)
     return ModelDrafter(draft_model)
