@@ -99,10 +99,28 @@ def download(python: str, dest: Path) -> list[Path]:
     return sorted(dest.glob("*.whl"))
 
 
+def one_per_distribution(wheels: list[Path]) -> list[Path]:
+    """A wheel cache may hold several versions of a distribution (from earlier resolutions): keep the version
+    REQUIREMENTS pins, else the newest."""
+    from packaging.version import Version
+
+    pins = {normalise(r.split("==")[0].split("[")[0]): r.split("==")[1] for r in REQUIREMENTS if "==" in r}
+    best: dict[str, Path] = {}
+    for w in wheels:
+        name, version = wheel_name(w), w.name.split("-")[1]
+        old = best.get(name)
+        if name in pins:
+            if version == pins[name]:
+                best[name] = w
+        elif old is None or Version(version) > Version(old.name.split("-")[1]):
+            best[name] = w
+    return sorted(best.values())
+
+
 def build_site(wheels: list[Path], site: Path) -> list[str]:
     """Unpack the wheels the image lacks into `site`, pruned. -> the distributions kept."""
     kept = []
-    for w in wheels:
+    for w in one_per_distribution(wheels):
         if wheel_name(w) in IMAGE_HAS or wheel_name(w) in NOT_NEEDED:
             continue
         kept.append(w.name)
@@ -140,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-debs", action="store_true")
     args = p.parse_args(argv)
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     tag = "cp" + args.python.replace(".", "")
     wheels = download(args.python, Path(args.wheels or out / f"wheels-{tag}"))
     with tempfile.TemporaryDirectory() as tmp:
