@@ -405,7 +405,8 @@ def _serve_part(args, folder, rec_path, prompts, streams, placement, outputs, sh
         if name == "spec" and outputs is None:
             from pipeline.synthetic import Recording
 
-            Recording(prompts[: max(streams)], out["target_only"][max(streams)]["_ids"],
+            recorded = n1 if max(streams) == 1 else prompts  # the prompts of that target-only run
+            Recording(recorded, out["target_only"][max(streams)]["_ids"],
                       shape_args(args.target_shape).vocab_size).save(rec_path)
             outputs = Recording.load(rec_path).outputs
             for r in out["target_only"].values():  # each target-only run against the recording
