@@ -15,7 +15,6 @@ import json
 import sys
 from typing import Any
 
-
 FAULTS = "drafter,target,coordinator,redis,proxy,tp-rank,redis-aof"  # specserve.chaos.FAULTS (not imported here)
 
 
