@@ -12,6 +12,10 @@ commit checks (in one Lua script) that it is still the owner and that the step c
 extends. A coordinator presumed dead that still runs can therefore never corrupt a resumed request.
 Randomness comes from (seed, step), so a resumed request regenerates exactly the tokens of any steps that
 were streamed but not yet persisted.
+
+A server that stops answering (killed, restarted; an embedded one comes back on a new port) is reconnected to
+through the store's URL getter, and the operation tried once more. A request the server no longer holds (it came
+back empty) raises StateLost on commit: its coordinator finishes it unpersisted.
 """
 
 from __future__ import annotations

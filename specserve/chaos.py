@@ -96,7 +96,7 @@ class Stream:
     finished: Optional[float] = None
     ok: bool = False
     completion_tokens: Optional[int] = None  # the server's usage
-    resumed: int = 0  # reconnects with Last-Event-ID
+    resumed: int = 0  # reconnects with Last-Event-ID (tries, also those refused while the proxy is down)
     retried: int = 0  # re-sent from scratch (no request id yet)
     errors: list[str] = field(default_factory=list)  # server errors seen (HTTP 5xx, error events)
     drops: int = 0  # connections that broke without an error
@@ -259,7 +259,8 @@ def judge(fault: str, streams: Sequence[Stream], reference: Sequence[Stream], ki
             mismatches.append(got.index)
     row: dict[str, Any] = {
         "fault": fault, "requests": len(streams), "completed": sum(s.ok for s in streams),
-        "resumed": sum(s.resumed for s in streams), "retried": sum(s.retried for s in streams),
+        "resumed": sum(s.resumed > 0 for s in streams), "reconnects": sum(s.resumed for s in streams),
+        "retried": sum(s.retried for s in streams),
         "server_errors": sum(len(s.errors) for s in streams), "mismatches": len(mismatches),
         "lost_tokens": lost, "duplicated_tokens": duplicated,
         "missing_events": sum(s.missing_events for s in streams),
@@ -286,8 +287,8 @@ def recovery_s(streams: Sequence[Stream], kill_at: Optional[float]) -> Optional[
     return round(max(waits), 2) if waits else None
 
 
-COLUMNS = ("fault", "requests", "completed", "resumed", "retried", "server_errors", "mismatches", "lost_tokens",
-           "duplicated_tokens", "recovery_s", "health_s", "ok")
+COLUMNS = ("fault", "requests", "completed", "resumed", "reconnects", "retried", "server_errors", "mismatches",
+           "lost_tokens", "duplicated_tokens", "recovery_s", "health_s", "ok")
 
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:

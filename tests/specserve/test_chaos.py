@@ -73,3 +73,11 @@ def test_store_reconnects_to_a_restarted_redis_and_a_lost_request_is_not_a_take_
     finally:
         for server in servers:
             server.stop()
+
+
+def test_the_cli_default_names_every_fault_in_order():
+    from specserve import chaos, cmd_chaos
+
+    assert tuple(cmd_chaos.FAULTS.split(",")) == chaos.FAULTS
+    with pytest.raises(ValueError, match="unknown fault 'nope'"):
+        ChaosConfig(faults=("nope",))
