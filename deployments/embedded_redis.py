@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Optional
 
-from deployments.redis_conn import RedisUnavailable, check_reachable, ping, redact  # noqa: F401 (their old home)
+from deployments.redis_conn import RedisUnavailable, ping, redact
 from pipeline import envs
 
 

@@ -328,7 +328,7 @@ class ExternalRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> "ExternalRedis":
-        from deployments.embedded_redis import ping
+        from deployments.redis_conn import ping
 
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir, "--appendonly", "yes",

@@ -11,8 +11,9 @@ import pytest
 from pydantic import ValidationError
 
 from deployments import config as cfg
-from deployments.embedded_redis import EmbeddedRedis, RedisUnavailable, check_reachable
+from deployments.embedded_redis import EmbeddedRedis
 from deployments.protocol import APIError, parse_request, resolve_max_tokens
+from deployments.redis_conn import RedisUnavailable, check_reachable
 from deployments.redis_state import NotOwner, RequestStore
 from deployments.sse import DONE, format_event, parse_event_id, sse_stream
 
@@ -472,7 +473,7 @@ def test_embedded_redis_outlives_its_starting_thread_and_dies_with_its_process()
     import threading
     import time
 
-    from deployments.embedded_redis import ping
+    from deployments.redis_conn import ping
 
     box = {}
     t = threading.Thread(target=lambda: box.setdefault("r", EmbeddedRedis().start()))
