@@ -79,7 +79,7 @@ class DrafterWorker:
     async def stats(self) -> dict[str, Any]:
         return {"batches": self.batcher.batches, "rows": self.batcher.rows, "compute_s": self.compute_s,
                 "requests": len(self._ctx), "slots_used": len(self.slots.holders), "waiting": self.slots.waiting,
-                "active_requests": self.batcher.active()}
+                "active_requests": self.batcher.active() + self.slots.waiting}
 
     async def admit(self, request_id: str) -> float:
         """Take a slot for the request, waiting in FIFO order while all are held. -> seconds waited. Cancelled by

@@ -92,7 +92,7 @@ class TargetWorker:
     async def stats(self) -> dict[str, Any]:
         return {"batches": self.batcher.batches, "rows": self.batcher.rows, "compute_s": self.compute_s,
                 "slots_used": len(self.slots.holders), "slots": self.slots.capacity, "waiting": self.slots.waiting,
-                "preempted": self.slots.preempted, "active_requests": self.batcher.active()}
+                "preempted": self.slots.preempted, "active_requests": self.batcher.active() + self.slots.waiting}
 
     async def admit(self, request_id: str, bounded: bool = True) -> float | str:
         """Take a KV-cache slot for the request, waiting in FIFO order while all are held. -> seconds waited, or
