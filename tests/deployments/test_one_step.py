@@ -9,6 +9,8 @@ Serve workers' classes by hand (no Ray), the way the coordinator does; the secon
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
@@ -91,6 +93,8 @@ def test_serve_workers_run_the_engines_steps(tiny_models, engine, sampling):
     lookup = lookup_part("lookup+" + str(tiny_models["draft"]))
     params = SamplingParams(max_tokens=40, ignore_eos=True, **{"seed": result.seed, **sampling})
     state = RequestState("r", list(PROMPT), params)
+    for worker in (target, drafter):  # a slot on each, as the coordinator takes them before the first step
+        asyncio.run(worker.admit(state.request_id))
     steps, base = [], 0
     while not state.finished:
         [want], _ = draft_budgets([state], K)
