@@ -28,7 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError, TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -216,7 +216,7 @@ class OpenAIIngress:
         except ClientDisconnect:  # the ASGI server saw the client go (without Serve cancelling this request)
             raise APIError(f"the client went away mid-upload, after {size} bytes of its request body", 499,
                            code="client_disconnected") from None
-        except asyncio.CancelledError:  # Serve's proxy saw the client go and cancelled this request
+        except (asyncio.CancelledError, TaskCancelledError):  # Serve's proxy saw the client go: request cancelled
             logger.info("%s %s: the client went away mid-upload, after %d bytes of its request body",
                         request.method, request.url.path, size)
             raise
@@ -437,7 +437,11 @@ def make_fastapi_app() -> FastAPI:
         return _error_response(request, APIError(str(err), 400))
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, err: Exception) -> JSONResponse:
+    async def _internal(request: Request, err: Exception) -> JSONResponse:
+        if isinstance(err, TaskCancelledError):  # Serve cancelled the request, its client gone (logged where seen)
+            logger.debug("%s %s: cancelled by Serve, the client went away", request.method, request.url.path)
+            return JSONResponse(APIError("the client went away", 499, code="client_disconnected").body(),
+                                status_code=499)
         logger.exception("unhandled error")
         return JSONResponse(APIError(f"internal error: {type(err).__name__}", 500, "internal_error",
                                      code="internal_error").body(), status_code=500)

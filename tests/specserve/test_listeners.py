@@ -17,7 +17,7 @@ import psutil
 import pytest
 import redis
 
-from deployments.ray_env import ray_environment
+from deployments.ray_env import LOCAL_RAY_DEFAULTS, ray_environment
 
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 WILDCARD = {"0.0.0.0", "::"}
@@ -126,7 +126,8 @@ def test_ray_of_specserve_serve_wants_its_token(served):
         port for _, port, _, _ in _listeners(gcs)}
     gcs_port = min(ports)
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
-    base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    # As a client on this machine: Ray's one-machine mode, or the CLI swaps 127.0.0.1 for the machine's address.
+    base = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}, **LOCAL_RAY_DEFAULTS}
     try:
         wrong = subprocess.run([ray_cli, "status", "--address", f"127.0.0.1:{gcs_port}"], capture_output=True,
                                text=True, timeout=60,
