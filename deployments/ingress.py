@@ -85,8 +85,9 @@ def _tokenizing(param: str) -> Iterator[None]:
 
 
 def _error_response(request: Request, err: APIError) -> JSONResponse:
-    """The error as OpenAI's body, and one log line: method, path, status, code and parameter, never the text."""
-    log = logger.warning if err.status >= 500 else logger.info
+    """The error as OpenAI's body, and one log line: method, path, status, code and parameter, never the text
+    (none for 499, a client gone: logged where it was seen)."""
+    log = logger.warning if err.status >= 500 else logger.debug if err.status == 499 else logger.info
     log("%s %s -> %d %s%s", request.method, request.url.path, err.status, err.code,
         f" (param {err.param!r})" if err.param else "")
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
@@ -213,13 +214,13 @@ class OpenAIIngress:
         except TimeoutError:
             raise APIError(f"the request body did not arrive in full within {timeout_s:g} s ({size} bytes came)",
                            408, code="request_timeout", headers={"Connection": "close"}) from None
-        except ClientDisconnect:  # the ASGI server saw the client go (without Serve cancelling this request)
-            raise APIError(f"the client went away mid-upload, after {size} bytes of its request body", 499,
-                           code="client_disconnected") from None
-        except (asyncio.CancelledError, TaskCancelledError):  # Serve's proxy saw the client go: request cancelled
+        except (ClientDisconnect, asyncio.CancelledError, TaskCancelledError) as err:  # the client went away
             logger.info("%s %s: the client went away mid-upload, after %d bytes of its request body",
                         request.method, request.url.path, size)
-            raise
+            if isinstance(err, ClientDisconnect):  # the ASGI server saw it (Serve did not cancel this request)
+                raise APIError(f"the client went away mid-upload, after {size} bytes of its request body", 499,
+                               code="client_disconnected") from None
+            raise  # Serve's proxy saw it and cancelled this request
         raw = b"".join(chunks)
         if not raw.strip():
             if request.headers.get("last-event-id"):
