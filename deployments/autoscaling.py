@@ -3,7 +3,7 @@
 The coordinator calls a model replica's worker actors directly (deployments/workers.py), not through
 Serve, so Serve's own "ongoing requests" count of a Drafter or Target replica stays near zero under any
 load. Instead each model host replica reports, from `record_autoscaling_stats()`, how many requests called
-its rank-0 worker in the last 2 seconds (`ONGOING_REQUESTS`; a request calls once per step, so this is
+its rank-0 worker in the last 10 seconds (`ONGOING_REQUESTS`; a request calls once per step, so this is
 the requests it is decoding) plus the requests waiting in its queue for a KV-cache slot, and this policy
 applies Serve's default rule to that number:
 

@@ -62,9 +62,11 @@ class StepBatcher:
         self._wake.set()
         return await fut
 
-    def active(self, window_s: float = 2.0) -> int:
+    def active(self, window_s: float = 10.0) -> int:
         """Requests that submitted a row within the last `window_s` seconds (the autoscaling load: it cannot
-        leak, unlike per-request state left behind by a call that lands after its request was released)."""
+        leak, unlike per-request state left behind by a call that lands after its request was released). The
+        window spans several steps: on a loaded machine (a replica starting beside the running ones) a step takes
+        seconds, and a shorter window reads that as load gone and stops the scale-up it caused."""
         now = time.monotonic()
         for key in [k for k, t in self._last_seen.items() if now - t > max(window_s, _ACTIVE_WINDOW_S)]:
             del self._last_seen[key]  # (also bounds the table when wait_ms is 0 and _expected never runs)
