@@ -14,6 +14,7 @@ import pytest
 
 from deployments.ray_env import ray_environment
 from tests.specserve.test_serve_signals import _assert_session_empty, _free_port
+from tests.support.serve import read_until
 
 pytestmark = pytest.mark.slow
 
@@ -32,12 +33,7 @@ def test_api_key_flag_guards_the_server_and_ctrl_c_stops_it_quietly():
     watchdog = threading.Timer(400, lambda: os.killpg(proc.pid, signal.SIGKILL))  # never hang the suite
     watchdog.start()
     try:
-        seen = []
-        for line in proc.stdout:
-            seen.append(line)
-            if "Press Ctrl-C" in line:
-                break
-        assert "Press Ctrl-C" in "".join(seen), "".join(seen)
+        started = read_until(proc, "Press Ctrl-C")
         base = f"http://127.0.0.1:{port}/v1"
         client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=120)
         model = client.models.list().data[0].id
@@ -52,7 +48,7 @@ def test_api_key_flag_guards_the_server_and_ctrl_c_stops_it_quietly():
         proc.wait()
     finally:
         watchdog.cancel()
-    everything = "".join(seen) + rest
+    everything = started + rest
     assert proc.returncode == 0, everything
     assert "specserve: stopped." in rest, rest
     assert "graceful_shutdown" not in everything and "Traceback" not in everything, everything

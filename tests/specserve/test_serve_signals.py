@@ -12,6 +12,7 @@ import threading
 import time
 
 from deployments.ray_env import ray_environment
+from tests.support.serve import read_until
 
 
 def _free_port() -> int:
@@ -38,12 +39,7 @@ def _signal_group_after(proc: subprocess.Popen, marker: str, delay_s: float) -> 
     watchdog = threading.Timer(400, lambda: os.killpg(proc.pid, signal.SIGKILL))  # never hang the suite
     watchdog.start()
     try:
-        seen = []
-        for line in proc.stdout:
-            seen.append(line)
-            if marker in line:
-                break
-        assert marker in "".join(seen), "".join(seen)
+        read_until(proc, marker)
         time.sleep(delay_s)
         t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGTERM)

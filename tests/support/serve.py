@@ -109,3 +109,16 @@ def tiny_engine(tiny_models: dict, max_batch_size: int, max_seq_len: int, hybrid
     drafter = HybridDrafter(ModelDrafter(draft)) if hybrid else ModelDrafter(draft)
     return SpeculativeEngine(target, None, drafter,
                              EngineConfig(max_batch_size=max_batch_size, max_seq_len=max_seq_len))
+
+
+def read_until(proc: Any, marker: str) -> str:
+    """What a server process (text stdout) printed up to and including the line with `marker`; fails the test
+    with that output if the process ends first."""
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if marker in line:
+            break
+    text = "".join(seen)
+    assert marker in text, text
+    return text
