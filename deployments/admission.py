@@ -75,6 +75,7 @@ class SlotQueue:
         self._waiting: OrderedDict[str, asyncio.Future] = OrderedDict()  # request id -> its grant, FIFO
         self._retire = 0  # slots to take out of service as they come free
         self.granted = self.rejected = self.preempted = 0  # statistics
+        self._queue_changed()  # the gauge starts at 0 rather than appearing with the first wait
 
     @property
     def waiting(self) -> int:

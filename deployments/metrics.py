@@ -346,8 +346,8 @@ def set_active_requests(active: int) -> None:
 
 
 def set_admission_queue(waiting: int, stage: str) -> None:
-    """Requests waiting for a KV-cache slot in one worker."""
-    get("specserve_admission_queue_length").set(waiting, tags={"stage": stage})
+    """Requests waiting for a KV-cache slot in one worker (set once at start, so the series exists from then)."""
+    _set("specserve_admission_queue_length", waiting, stage)
 
 
 def record_admission_wait(seconds: float, stage: str) -> None:

@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specserve import loadgen
 from specserve.otlp_receiver import OTLPReceiver
 from tests.support.cluster_harness import (
+    EVENT_ONLY_METRICS,
     ROOT,
     LocalCluster,
     alive,
@@ -289,9 +290,7 @@ def test_load_scales_up_metrics_agree_then_scales_down(deployed):
     assert (got_drafted, got_accepted, ttft_count) == (drafted, accepted, n_requests)
     exported = {re.sub(r"_(bucket|sum|count|total)$", "", n) for n in re.findall(r"^(ray_[a-z_]+)", text, re.M)}
     exported |= {n for n in re.findall(r"^(ray_[a-z_]+_total)\b", text, re.M)}
-    # Counters of events this load does not cause (no 429, no out-of-memory preemption) have no sample yet.
-    events_only = {"ray_specserve_admission_rejections_total", "ray_specserve_preemptions_total"}
-    missing = {m for m in dashboard_metric_names() - events_only if m not in exported}
+    missing = {m for m in dashboard_metric_names() - EVENT_ONLY_METRICS if m not in exported}
     assert not missing, f"dashboard metrics not exported: {missing}"
     positions = {labels["position"] for labels, _ in _samples(text, "ray_specserve_draft_position_proposed_total")}
     assert positions == {"0", "1", "2", "3"}  # K = 4 (ops/deploy/serve-cluster-local.yaml)

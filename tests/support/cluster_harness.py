@@ -128,6 +128,10 @@ def dashboard_metric_names() -> set[str]:
     return {re.sub(r"_(bucket|sum|count)$", "", m) for e in exprs for m in re.findall(r"\bray_[a-z_]+", e)}
 
 
+# Counters of events a healthy load does not cause (a 429, an out-of-memory preemption): no sample until one happens.
+EVENT_ONLY_METRICS = frozenset({"ray_specserve_admission_rejections_total", "ray_specserve_preemptions_total"})
+
+
 def missing_tools() -> list[str]:
     return [t for t in ("/usr/sbin/sshd", "ssh", "ssh-keygen", "rsync") if not shutil.which(t) and
             not Path(t).exists()]
