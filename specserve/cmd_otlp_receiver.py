@@ -23,6 +23,7 @@ def run(args: argparse.Namespace) -> int:
     from specserve.otlp_receiver import serve_forever
 
     serve_forever(args.host, args.http_port, args.grpc_port, args.dump)
+    print("specserve otlp-receiver: stopped.", flush=True)
     return 0
 
 

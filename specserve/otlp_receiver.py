@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import signal
 import threading
 import time
 from concurrent import futures
@@ -163,14 +164,26 @@ class OTLPReceiver:
             time.sleep(0.1)
 
 
-def serve_forever(host: str, http_port: int, grpc_port: int | None, dump: str) -> None:
-    """Receive spans until Ctrl-C, appending each to `dump` as a JSON line."""
+def serve_forever(host: str, http_port: int, grpc_port: int | None, dump: str) -> int:
+    """Receive spans until Ctrl-C or SIGTERM, appending each to `dump` as a JSON line; -> the signal that stopped
+    it. Both signals get a handler of their own: a process started where SIGINT is ignored (a shell's background
+    job, a parent that ignores it) stops on Ctrl-C all the same."""
+    stopped: list[int] = []
+    done = threading.Event()
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        stopped.append(signum)
+        done.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
     receiver = OTLPReceiver(host, http_port, grpc_port, dump).start()
     print(f"OTLP/HTTP on {receiver.http_endpoint}/v1/traces"
           + (f", OTLP/gRPC on {host}:{receiver.grpc_port}" if receiver.grpc_port else "")
           + f"; spans appended to {dump}", flush=True)
     try:
-        while True:
-            time.sleep(3600)
+        while not done.wait(1.0):  # a timed wait: the handler runs between waits
+            pass
     finally:
         receiver.stop()
+    return stopped[0]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import urllib.request
 
+import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from specserve.cli import build_parser
@@ -37,10 +38,14 @@ def test_the_spec_bench_prompts_ship_in_the_package():
     assert all(s.prompt for s in samples)
 
 
-def test_otlp_receiver_subcommand_receives_and_dumps_spans(tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_otlp_receiver_subcommand_receives_and_dumps_spans(tmp_path, stop):
+    """Run as a user runs it, and stopped with Ctrl-C or a SIGTERM, also where its parent ignores SIGINT (as a shell
+    does for a background job): a clean stop, exit 0."""
     dump = tmp_path / "spans.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "specserve", "otlp-receiver", "--http-port", "0",
-                             "--dump", str(dump)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--dump", str(dump)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         first = proc.stdout.readline()
         assert first.startswith("OTLP/HTTP on http://127.0.0.1:"), first + proc.stderr.read()
@@ -54,5 +59,7 @@ def test_otlp_receiver_subcommand_receives_and_dumps_spans(tmp_path):
             assert response.status == 200
         assert [json.loads(line)["name"] for line in dump.read_text().splitlines()] == ["probe"]
     finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 130
+        proc.send_signal(stop)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "stopped." in out, out + err
+    assert "Traceback" not in err, err
