@@ -100,9 +100,11 @@ class DrafterWorker:
     async def release(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             self.batcher.forget(rid)
-        await self.batcher.run_in_worker(lambda: self._release(request_ids))  # between passes, never during one
-        for rid in request_ids:
-            self.slots.release(rid)  # also drops a place in the queue (an admit still waiting)
+        try:
+            await self.batcher.run_in_worker(lambda: self._release(request_ids))  # between passes, never during one
+        finally:  # even when this call is cancelled on the way: a slot must never stay held by a finished request
+            for rid in request_ids:
+                self.slots.release(rid)  # also drops a place in the queue (an admit still waiting)
 
     def _free_later(self, rid: str) -> None:
         """A slot taken back (an idle holder's): drop the request's drafter state between passes."""

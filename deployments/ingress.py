@@ -58,6 +58,24 @@ logger = logging.getLogger("ray.serve." + __name__)  # Serve's replica logger: i
 MAX_FAILOVERS = 5  # coordinator losses one request survives
 
 
+# After a request's last event, how long its coordinator gets to end the stream by itself (it gives the request's
+# KV-cache slots back and writes the final state to Redis: milliseconds) before it is cancelled.
+RUN_OUT_S = 5.0
+
+
+async def _run_out(stream: Any) -> None:
+    """Let a finished request's coordinator stream end by itself, rather than cancel it: Serve's cancel reaches the
+    calls the coordinator has just made (the slot releases, the last Redis write) and can drop them."""
+    async def rest() -> None:
+        async for _ in stream:
+            pass
+
+    try:
+        await asyncio.wait_for(rest(), RUN_OUT_S)
+    except Exception:  # noqa: BLE001 - late or failed: the coordinator's idle reclaim and TTLs cover it
+        stream.cancel()
+
+
 class _NotStarted(Exception):
     """A resumed request was never stored: start it again."""
 
@@ -282,6 +300,7 @@ class OpenAIIngress:
         stream = start()
         failovers = 0
         resuming = False
+        finished = False
         try:
             while True:
                 try:
@@ -296,8 +315,10 @@ class OpenAIIngress:
                             if ev.i <= delivered:
                                 continue
                             delivered = ev.i
+                            finished = bool(ev.finish)
                             yield ev
-                            if ev.finish:
+                            if finished:
+                                await _run_out(stream)
                                 return
                     return
                 except (RayActorError, ActorUnavailableError) as err:
@@ -313,7 +334,8 @@ class OpenAIIngress:
                 except _NotStarted:
                     stream, resuming = start(), False
         finally:
-            stream.cancel()  # client gone or done: stop the coordinator's loop for this request
+            if not finished:
+                stream.cancel()  # client gone or failed: stop the coordinator's loop for this request
 
     async def _chunks(
         self, kind: str, rid: str, created: int, events: AsyncIterator[StepEvent], include_usage: bool, timer: Any
