@@ -12,7 +12,8 @@ from pipeline.models.store import resolve
 from tests.support.models import make_tiny_llama
 
 apply_ray_defaults()
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Two cores at most; under pytest-xdist, the cores shared between its workers.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
 @pytest.fixture(scope="session")
@@ -35,11 +36,47 @@ def demo_path():
     return str(resolve(None))
 
 
+# `make test` runs the suite on two pytest-xdist workers (`-n 2`). Tests that start servers run in one of two groups,
+# each on one worker, in file order (the scheduler below); everything else is spread over both workers.
+# - RAY_SESSION: the `ray up` cluster tests first (they launch a cluster of their own and time its autoscaling, so
+#   they go before this worker starts the session's local Ray), then every test on that local Ray and Serve
+#   (tests/support/serve.py), which stays up until the worker ends.
+# - OWN_SERVERS: tests that run `specserve serve` (or the soak around it) as a process with a Ray of its own.
+RAY_SESSION = ("tests/ops/test_ray_up.py", "tests/deployments/test_admission_serve.py",
+               "tests/deployments/test_api_keys.py", "tests/deployments/test_app.py",
+               "tests/deployments/test_demo_app.py", "tests/deployments/test_fuzz.py",
+               "tests/deployments/test_ingress_strict.py", "tests/deployments/test_one_step.py",
+               "tests/deployments/test_tp_serve.py", "tests/specserve/test_chaos.py")
+OWN_SERVERS = ("tests/specserve/test_served.py", "tests/specserve/test_serve_signals.py", "tests/ops/test_soak.py")
+
+
+def pytest_configure(config):
+    """Before any worker starts: the token of the local Rays (RAY_AUTH_MODE=token, deployments/ray_env.py), so that
+    two Rays starting at once on this machine do not each write a different one to ~/.ray/auth_token."""
+    if not hasattr(config, "workerinput"):
+        from ray._private.authentication.authentication_token_setup import ensure_token_if_auth_enabled
+
+        ensure_token_if_auth_enabled()
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduling with the two groups above as scopes (and each other test its own): a scope runs
+    whole, in order, on one worker; the largest go out first."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = _module(nodeid)
+            return "ray-session" if module in RAY_SESSION else "own-servers" if module in OWN_SERVERS else nodeid
+
+    return GroupScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """The `ray up` tests launch a cluster of their own and time its autoscaling under load on this machine's two
-    cores: run them first, before the Serve tests start the session's local Ray, which stays up (with its
-    processes) until the session ends."""
-    first = [item for item in items if item.nodeid.startswith("tests/ops/test_ray_up.py")]
-    if first:
-        ids = {id(item) for item in first}
-        items[:] = first + [item for item in items if id(item) not in ids]
+    first = [item for item in items if _module(item.nodeid) == RAY_SESSION[0]]
+    ids = {id(item) for item in first}
+    items[:] = first + [item for item in items if id(item) not in ids]
