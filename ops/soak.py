@@ -369,6 +369,7 @@ def run(args: argparse.Namespace) -> int:
         "max_slots": max((s.values.get("slots in use", 0.0) for s in samples if s.phase == "load"
                           and not math.isnan(s.values.get("slots in use", math.nan))), default=None),
         "metrics_url": app.metrics_url, "metrics_listen": metrics_listen, "load": load_summary.get("requests"),
+        "serve_exit": None if app.serve is None else app.serve.returncode,  # after Ctrl-C (SIGINT): 0
         "load_average": load_avg}, indent=1))
     print(text)
     print(f"soak: wrote {out / 'samples.csv'}, {out / 'soak.png'}, {out / 'summary.md'}")

@@ -1,7 +1,12 @@
-"""What a default `specserve serve` opens to the network: every listening socket of its processes (the driver, Ray's
-daemons and workers, the embedded Redis) is on loopback, except the ones the README's "What listens where" names with
-their protection. Ray's own endpoints answer only to the cluster's token, and the embedded Redis only to its
-password. A real server on the demo models, in its own session."""
+"""One real `specserve serve` on the demo models (the default drafter, an API key), in its own session, checked as a
+user and a process manager meet it, in this order:
+- what it opens to the network: every listening socket of its processes (the driver, Ray's daemons and workers, the
+  embedded Redis) is on loopback, except the ones the README's "What listens where" names with their protection;
+  Ray's own endpoints answer only to the cluster's token, and the embedded Redis only to its password;
+- the `openai` client with the key is served, one without it gets 401, and the key is printed nowhere;
+- a SIGTERM to its whole process group (`timeout`, a systemd stop), which reaches Ray's own daemons too, stops it
+  fast and leaves no process behind.
+(Ctrl-C on a running server is the soak's way of stopping it: tests/ops/test_soak.py.)"""
 
 from __future__ import annotations
 
@@ -12,15 +17,21 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import psutil
 import pytest
 import redis
 
 from deployments.ray_env import LOCAL_RAY_DEFAULTS, ray_environment
+from tests.specserve.test_serve_signals import assert_session_empty
+from tests.support.serve import read_until
+
+pytestmark = pytest.mark.slow
 
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 WILDCARD = {"0.0.0.0", "::"}
+KEY = "sk-cli-test-3f9a1c"
 
 
 def _free_port() -> int:
@@ -71,22 +82,18 @@ def _flag(cmds: list[list[str]], name: str) -> set[int]:
 def served():
     port = _free_port()
     env = dict(ray_environment(), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "specserve", "serve", "--port", str(port)],
+    env.pop("SPECSERVE_API_KEY", None)
+    proc = subprocess.Popen([sys.executable, "-m", "specserve", "serve", "--port", str(port), "--api-key", KEY],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     watchdog = threading.Timer(400, lambda: os.killpg(proc.pid, signal.SIGKILL))  # never hang the suite
     watchdog.start()
-    seen = []
     try:
-        for line in proc.stdout:
-            seen.append(line)
-            if "Press Ctrl-C" in line:
-                break
-        assert "Press Ctrl-C" in "".join(seen), "".join(seen)
-        yield {"pid": proc.pid, "port": port, "out": "".join(seen)}
+        yield {"proc": proc, "pid": proc.pid, "port": port, "out": read_until(proc, "Press Ctrl-C")}
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.communicate(timeout=120)
+        if proc.poll() is None:  # the last test stops it; this is for a test that failed before
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.communicate(timeout=120)
         watchdog.cancel()
 
 
@@ -138,3 +145,33 @@ def test_ray_of_specserve_serve_wants_its_token(served):
     right = subprocess.run([ray_cli, "status", "--address", f"127.0.0.1:{gcs_port}"], capture_output=True,
                            text=True, timeout=60, env={**base, "RAY_AUTH_MODE": "token"})
     assert right.returncode == 0, right.stdout + right.stderr
+
+
+def test_the_api_key_guards_the_server(served):
+    import openai
+
+    base = f"http://127.0.0.1:{served['port']}/v1"
+    client = openai.OpenAI(base_url=base, api_key=KEY, max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    done = client.completions.create(model=model, prompt="Hello", max_tokens=2)
+    assert done.usage.completion_tokens >= 1
+    stranger = openai.OpenAI(base_url=base, api_key="not-the-key", max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError):
+        stranger.completions.create(model=model, prompt="Hello", max_tokens=2)
+
+
+def test_sigterm_to_the_process_group_stops_serve_fast_and_leaves_nothing(served):
+    proc = served["proc"]
+    t0 = time.monotonic()
+    os.killpg(proc.pid, signal.SIGTERM)
+    rest = proc.stdout.read()
+    proc.wait()
+    took = time.monotonic() - t0
+    assert proc.returncode == 0, rest
+    # Serve's graceful shutdown would wait 30 s for a controller that can no longer finish (38 s in all): skipped.
+    assert "skipping Serve's graceful shutdown" in rest and "specserve: stopped." in rest, rest
+    assert took < 25, f"took {took:.1f} s:\n{rest}"
+    everything = served["out"] + rest
+    assert "graceful_shutdown" not in everything and "Traceback" not in everything, everything
+    assert KEY not in everything
+    assert_session_empty(proc.pid)
