@@ -4,8 +4,9 @@
     python -m ops.gpu_serve_bench --target-shape llama-8b --draft-shape llama-1b --alpha 0.8 -k 4 \\
         --streams 1,8,32 --max-tokens 128 --placements separate,colocated --out $OUT
 
-A target of `--target-shape` with random bf16 weights is written once as a model folder (so the Serve target
-replica loads it like any model), prompts are random token ids, requests are greedy with `ignore_eos`:
+A target of `--target-shape` with random weights (stored in bf16; `--dtype` sets what the models run in) is written
+once as a model folder (so the Serve target replica loads it like any model), prompts are random token ids,
+requests are greedy with `ignore_eos`:
 
 1. In process, one GPU (cuda:0): the engine target-only at each stream count (its greedy outputs are the
    recording), then the engine with the synthetic drafter (`pipeline.synthetic`, "synthetic acceptance": the
@@ -17,7 +18,12 @@ replica loads it like any model), prompts are random token ids, requests are gre
    `colocated`: both on one GPU, 0.5 each) the same prompts speculative (K) and target-only (K=0 per request,
    the same HTTP path), at each stream count. Greedy outputs must equal the recording token for token; two
    seeded sampled requests must replay identically. The per-step timeline comes from the workers' own compute
-   time per pass (target: verify+accept; drafter: propose) against the step the client sees.
+   time per pass (target: verify+accept; drafter: propose) against the step the client sees. At 1 stream each
+   request starts once the workers have freed the previous one's slots (at most 1 s; a slot still held then is
+   logged with its state and freed by the bench, since the next request would queue for 30 s behind it).
+
+`--in-process-last` runs part 2 first and part 1 afterwards on the same GPU, while `--budget-s` allows: the
+recording is then the HTTP target-only output, and the in-process target-only output is checked against it.
 
 Prints one table per part and writes serve_gpu_bench.json, .md and a plot to --out.
 """
@@ -45,6 +51,24 @@ T0 = time.perf_counter()
 
 def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
+
+
+def first_mismatch(got: list[list[int]], recorded: list[list[int]]) -> list[int | None]:
+    """Per request: the index of the first token that differs from the recording (None: equal)."""
+    out = []
+    for a, b in zip(got, recorded):
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        out.append(i if i is not None or len(a) == len(b) else min(len(a), len(b)))
+    return out
+
+
+def recorded_outputs(runs: dict[int, list[list[int]]]) -> list[list[int]]:
+    """The greedy target-only outputs the recording holds, prompt i's at index i: those of the run at the most
+    streams (the first c prompts), then those of the 1-stream run beyond them (its --single-requests prompts)."""
+    out = list(runs[max(runs)])
+    if 1 in runs:
+        out += runs[1][len(out):]
+    return out
 
 
 def pct(values: list[float], q: float) -> float:
@@ -199,8 +223,8 @@ def in_process(args, folder: Path, prompts: list[list[int]], streams: list[int],
     from pipeline.synthetic import Recording, SyntheticDrafter, timing_model
 
     cfg = EngineConfig(max_batch_size=max(streams), max_seq_len=args.prompt_len + args.max_tokens + 8,
-                       device=args.device, dtype="bfloat16")
-    target, _ = load_model(str(folder), device=args.device, dtype="bfloat16")
+                       device=args.device, dtype=args.dtype)
+    target, _ = load_model(str(folder), device=args.device, dtype=args.dtype)
     engine = SpeculativeEngine(target, None, None, cfg)
     log(f"in-process target loaded; warm-up: {engine.warmup(args.k)}")
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, seed=0)
@@ -211,21 +235,26 @@ def in_process(args, folder: Path, prompts: list[list[int]], streams: list[int],
         r = engine_run(engine, n1 if c == 1 else prompts, c, params, SpecParams(0))
         out["target_only"][c] = r
         log(f"in-process target-only c={c}: {r['tokens_per_s']:.1f} tok/s")
-    # The recording: the target's greedy continuations (the largest batch covers every prompt).
-    outputs = out["target_only"][max(streams)]["ids"] + [[]] * 0
-    rec = Recording(prompts[: max(streams)], outputs, target.info.vocab_size)
+    # The recording: the target's greedy continuations of every prompt served (`recorded_outputs`).
+    outputs = recorded_outputs({c: r["ids"] for c, r in out["target_only"].items()})
+    if rec_path.exists():  # written by the HTTP part: the same prompts' greedy outputs through the Serve target
+        served = Recording.load(rec_path).outputs
+        out["equals_http_target_only"] = outputs == served[: len(outputs)]
+        log(f"in-process target-only greedy == HTTP target-only greedy: {out['equals_http_target_only']}")
+    rec = Recording(prompts[: len(outputs)], outputs, target.info.vocab_size)  # the prompts of that run
     rec.save(rec_path)
     consistent = all(out["target_only"][c]["ids"] == outputs[: len(out["target_only"][c]["ids"])] for c in streams)
-    drafter = SyntheticDrafter(timing_model(args.draft_shape, args.device, "bfloat16"), rec, args.alpha)
+    drafter = SyntheticDrafter(timing_model(args.draft_shape, args.device, args.dtype), rec, args.alpha)
     spec_engine = SpeculativeEngine(engine.target, None, drafter, cfg)
     log(f"in-process drafter ready; warm-up: {spec_engine.warmup(args.k)}")
     warm_requests(spec_engine, prompts, max(streams), SpecParams(args.k))
     for c in streams:
         r = engine_run(spec_engine, n1 if c == 1 else prompts, c, params, SpecParams(args.k))
         r["exact"] = r["ids"] == outputs[: len(r["ids"])]
+        r["first_mismatch"] = first_mismatch(r["ids"], outputs)
         out["spec"][c] = r
         log(f"in-process spec c={c}: {r['tokens_per_s']:.1f} tok/s, {r['tokens_per_pass']:.2f} tokens/pass, "
-            f"exact {r['exact']}")
+            f"exact {r['exact']} (first differing token per request: {r['first_mismatch']})")
     pos = args.prompt_len + args.max_tokens // 2
     for c in streams:
         out["costs"][c] = {"decode_ms": forward_ms(spec_engine.target, c, 1, pos),
@@ -248,14 +277,16 @@ def in_process(args, folder: Path, prompts: list[list[int]], streams: list[int],
 
 
 async def http_one(client, model: str, prompt: list[int], max_tokens: int, k: int, temperature: float = 0.0,
-                   seed: int = 0) -> dict:
+                   seed: int = 0, ignore_eos: bool = True) -> dict:
     t0 = time.perf_counter()
     times, ids, gaps, spec = [], [], [], {}
     stream = await client.completions.create(
         model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature, seed=seed, stream=True,
         stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True, "speculation": {"num_draft_tokens": k}})
+        extra_body={"ignore_eos": ignore_eos, "speculation": {"num_draft_tokens": k}})
+    rid = None
     async for chunk in stream:
+        rid = rid or chunk.id
         extra = chunk.model_extra or {}
         if chunk.choices:
             got = (chunk.choices[0].model_extra or {}).get("token_ids") or []
@@ -268,26 +299,66 @@ async def http_one(client, model: str, prompt: list[int], max_tokens: int, k: in
         if extra.get("speculation"):
             spec = extra["speculation"]
     return {"ids": ids, "ttft": times[0] - t0 if times else float("nan"), "gaps": gaps,
-            "seconds": time.perf_counter() - t0, "spec": spec}
+            "seconds": time.perf_counter() - t0, "spec": spec, "id": rid}
 
 
-def worker_stats() -> dict[str, dict]:
+def worker_actors() -> list[tuple[str, Any]]:
+    """(role, handle) of every target and drafter worker actor."""
     import ray
 
     from deployments.workers import WORKER_NAMESPACE
 
-    out = {}
+    out = []
     for a in ray.util.list_named_actors(all_namespaces=True):
         if a["namespace"] != WORKER_NAMESPACE:
             continue
         role = "target" if ":Target:" in a["name"] else "drafter" if ":Drafter:" in a["name"] else None
         if role:
             try:
-                s = ray.get(ray.get_actor(a["name"], namespace=WORKER_NAMESPACE).stats.remote(), timeout=10)
+                out.append((role, ray.get_actor(a["name"], namespace=WORKER_NAMESPACE)))
             except Exception:  # noqa: BLE001 - a worker of a deleted app, going away
                 continue
-            prev = out.get(role, {"batches": 0, "rows": 0, "compute_s": 0.0})
-            out[role] = {k: prev[k] + s[k] for k in ("batches", "rows", "compute_s")}
+    return out
+
+
+async def slots_freed(actors: list[tuple[str, Any]], limit_s: float = 1.0) -> float | None:
+    """Wait until no worker holds a slot (the request that just ended has freed its own), at most limit_s.
+    -> ms waited, None if a slot was still held. The next request one after another goes only then: a slot
+    still held makes it queue until the holder counts as idle (30 s)."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < limit_s:
+        if not any(s["slots_used"] for s in worker_stats(actors).values()):
+            return round(1e3 * (time.perf_counter() - t0), 1)
+        await asyncio.sleep(0.01)
+    import ray
+
+    def state(w) -> dict:  # the slot holders, and whether the worker still keeps each one's cache or context
+        return {rid: {"slot": slot, "seen_s_ago": round(time.monotonic() - w.slots._seen.get(rid, 0.0), 2),
+                      "cache": rid in getattr(w, "_fed", getattr(w, "_ctx", {})),
+                      "batcher_expects": rid in w.batcher._last_seen} for rid, slot in w.slots.holders.items()}
+
+    for role, handle in actors:  # a slot the request that ended did not free: log it, then free it
+        try:
+            held = ray.get(handle.__ray_call__.remote(state), timeout=10)
+            if held:
+                log(f"slot still held {limit_s:.0f} s after the request ended: {role} {held}; the bench frees it")
+                ray.get(handle.release.remote(list(held)), timeout=10)
+        except Exception as err:  # noqa: BLE001
+            log(f"slot state of {role}: {err!r}")
+    return None
+
+
+def worker_stats(actors: list[tuple[str, Any]] | None = None) -> dict[str, dict]:
+    import ray
+
+    out = {}
+    for role, handle in worker_actors() if actors is None else actors:
+        try:
+            s = ray.get(handle.stats.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - a worker of a deleted app, going away
+            continue
+        prev = out.get(role, {"batches": 0, "rows": 0, "compute_s": 0.0, "slots_used": 0, "waiting": 0})
+        out[role] = {k: prev[k] + s.get(k, 0) for k in ("batches", "rows", "compute_s", "slots_used", "waiting")}
     return out
 
 
@@ -297,11 +368,15 @@ def http_run(url: str, model: str, prompts: list[list[int]], c: int, args, k: in
     async def go():
         client = AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
         try:
-            if c == 1:
+            if c == 1:  # one after another, each once the workers have freed the slots of the one before
                 res = []
                 t0 = time.perf_counter()
+                actors = worker_actors()
                 for p in prompts:
                     res.append(await http_one(client, model, p, args.max_tokens, k))
+                    held.append(await slots_freed(actors))
+                    if held[-1] is None:
+                        log(f"request {res[-1]['id']} ended {len(res[-1]['ids'])} tokens")
                 return res, time.perf_counter() - t0
             t0 = time.perf_counter()
             res = await asyncio.gather(*[http_one(client, model, p, args.max_tokens, k) for p in prompts[:c]])
@@ -309,6 +384,7 @@ def http_run(url: str, model: str, prompts: list[list[int]], c: int, args, k: in
         finally:
             await client.close()
 
+    held: list[float | None] = []
     before = worker_stats()
     res, wall = asyncio.run(go())
     after = worker_stats()
@@ -322,8 +398,14 @@ def http_run(url: str, model: str, prompts: list[list[int]], c: int, args, k: in
            "itl_ms_p99": 1e3 * pct([g for r in res for g in r["gaps"]], 99),
            "itl_ms_max": 1e3 * max((g for r in res for g in r["gaps"]), default=float("nan")),
            "ttft_ms_max": 1e3 * max(r["ttft"] for r in res),
-           "tokens_per_pass": statistics.mean(r["spec"].get("mean_accepted_tokens", 1.0) for r in res)
-           if k else 1.0, "passes_reported": passes, "ids": [r["ids"] for r in res]}
+           # all tokens over all target passes (as in process); the mean of the requests' own ratios beside it
+           "tokens_per_pass": tokens / passes if k and passes else 1.0,
+           "tokens_per_pass_mean_of_requests": statistics.mean(r["spec"].get("mean_accepted_tokens", 1.0)
+                                                               for r in res) if k else 1.0,
+           "passes_reported": passes, "ids": [r["ids"] for r in res],
+           "passes_each": [r["spec"].get("target_passes") for r in res],
+           "seconds_each": [round(r["seconds"], 4) for r in res],
+           "ttft_ms_each": [round(1e3 * r["ttft"], 1) for r in res], "slots_freed_ms_after_each": held}
     for role in ("target", "drafter"):
         if role in after:
             b = after[role]["batches"] - before.get(role, {}).get("batches", 0)
@@ -367,10 +449,10 @@ def _serve_part(args, folder, rec_path, prompts, streams, placement, outputs, sh
 
     max_seq = args.prompt_len + args.max_tokens + 8
     cfg = {
-        "target": {"model": str(folder), "device": args.device, "dtype": "bfloat16", "max_batch_size": max(streams),
+        "target": {"model": str(folder), "device": args.device, "dtype": args.dtype, "max_batch_size": max(streams),
                    "max_seq_len": max_seq, "resources": {"num_gpus": share, "num_cpus": 1}},
         "drafter": {"draft": f"synthetic:{args.alpha}:{args.draft_shape}:{rec_path}", "device": args.device,
-                    "dtype": "bfloat16", "max_batch_size": max(streams),
+                    "dtype": args.dtype, "max_batch_size": max(streams),
                     "resources": {"num_gpus": share, "num_cpus": 1}},
         "speculation": {"num_draft_tokens": args.k},
         "coordinator": {"adaptive_k": False, "overlap": not args.no_overlap},
@@ -405,18 +487,19 @@ def _serve_part(args, folder, rec_path, prompts, streams, placement, outputs, sh
         if name == "spec" and outputs is None:
             from pipeline.synthetic import Recording
 
-            recorded = n1 if max(streams) == 1 else prompts  # the prompts of that target-only run
-            Recording(recorded, out["target_only"][max(streams)]["_ids"],
-                      shape_args(args.target_shape).vocab_size).save(rec_path)
+            done = recorded_outputs({c: r["_ids"] for c, r in out["target_only"].items()})
+            Recording(prompts[: len(done)], done, shape_args(args.target_shape).vocab_size).save(rec_path)
             outputs = Recording.load(rec_path).outputs
             for r in out["target_only"].values():  # each target-only run against the recording
                 ids_c = r.pop("_ids")
                 r["exact"] = ids_c == outputs[: len(ids_c)]
+                r["first_mismatch"] = first_mismatch(ids_c, outputs)
             http_run(url, model, prompts[:1], 1, short, args.k)  # warm-up, with the recording now there
         r = http_run(url, model, n1 if c == 1 else prompts, c, args, k)
         ids = r.pop("ids")
         if outputs is not None:
             r["exact"] = ids == outputs[: len(ids)]
+            r["first_mismatch"] = first_mismatch(ids, outputs)
         else:
             r["_ids"], r["exact"] = ids, None
         out[name][c] = r
@@ -426,7 +509,11 @@ def _serve_part(args, folder, rec_path, prompts, streams, placement, outputs, sh
             f"ITL p50/p99/max {r['itl_ms_p50']:.2f}/{r['itl_ms_p99']:.2f}/{r['itl_ms_max']:.1f} ms, tokens/pass "
             f"{r['tokens_per_pass']:.2f}, target {r.get('target_compute_ms_per_pass', 0):.2f} ms/pass "
             f"({r.get('target_passes', 0)} passes), drafter {r.get('drafter_compute_ms_per_pass', float('nan')):.2f} "
-            f"ms/pass ({r.get('drafter_passes', 0)} passes), exact {r['exact']}")
+            f"ms/pass ({r.get('drafter_passes', 0)} passes), exact {r['exact']} (first differing token per "
+            f"request: {r.get('first_mismatch')}; target passes per request {r['passes_each']})")
+        if c == 1:
+            log(f"http [{placement}] {name} c=1: TTFT ms per request {r['ttft_ms_each']}, the slots of each "
+                f"request freed after (ms; None: still held after 1 s) {r['slots_freed_ms_after_each']}")
     # Seeded sampled requests replay identically (two prompts, twice each, speculative).
     n = min(48, args.max_tokens)
     async def sampled():
@@ -434,10 +521,13 @@ def _serve_part(args, folder, rec_path, prompts, streams, placement, outputs, sh
 
         client = AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
         try:
-            runs = []
+            runs, actors = [], worker_actors()
             for _ in range(2):
-                runs.append([(await http_one(client, model, p, n, args.k, temperature=0.8, seed=7 + j))["ids"]
-                             for j, p in enumerate(prompts[:2])])
+                ids = []
+                for j, p in enumerate(prompts[:2]):
+                    ids.append((await http_one(client, model, p, n, args.k, temperature=0.8, seed=7 + j))["ids"])
+                    await slots_freed(actors)
+                runs.append(ids)
             return runs
         finally:
             await client.close()
@@ -452,9 +542,17 @@ def _serve_part(args, folder, rec_path, prompts, streams, placement, outputs, sh
 # report
 
 
+def header(r: dict) -> str:
+    return (f"{r['card']} x{r['gpus']}, {r['date']}; target {r['target_shape']} (random weights, "
+            f"{r.get('dtype', 'bfloat16')}), drafter synthetic:{r['alpha']}:{r['draft_shape']} (**synthetic "
+            f"acceptance**), K={r['k']} fixed, greedy, {r['prompt_len']}-token random prompts, {r['max_tokens']} "
+            f"tokens each; 1 stream = {r['single_requests']} requests one after another.")
+
+
 def serve_table(r: dict) -> str:
     """The HTTP rows alone (a run without the in-process part)."""
-    lines = ["| placement | path | streams | tokens/s | x target-only | tokens/pass | TTFT p50 / max ms | ITL p50 / "
+    lines = [header(r), "",
+             "| placement | path | streams | tokens/s | x target-only | tokens/pass | TTFT p50 / max ms | ITL p50 / "
              "p99 / max ms | target ms/pass (passes) | drafter ms/pass (passes) | greedy exact |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for placement, part in r["serve"].items():
@@ -484,10 +582,7 @@ def tables(r: dict) -> str:
     if r["in_process"] is None:
         return serve_table(r)
     ip, k = r["in_process"], r["k"]
-    lines = [f"{r['card']} x{r['gpus']}, {r['date']}; target {r['target_shape']} (random bf16), drafter "
-             f"synthetic:{r['alpha']}:{r['draft_shape']} (**synthetic acceptance**), K={k} fixed, greedy, "
-             f"{r['prompt_len']}-token random prompts, {r['max_tokens']} tokens each; 1 stream = "
-             f"{r['single_requests']} requests one after another.", "",
+    lines = [header(r), "",
              "| path | streams | tokens/s | x target-only (same path) | ideal x | efficiency | tokens/pass | "
              "TTFT p50 ms | ITL p50 / p99 ms | target ms/pass | drafter ms/pass | greedy exact |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -533,6 +628,13 @@ def tables(r: dict) -> str:
                              for p, part in r["serve"].items() if c in part.get("target_only", {}))
         lines.append(f"| {c} | {cost['decode_ms']:.3f} | {cost['verify_ms']:.3f} | {cost['draft_step_ms']:.3f} | "
                      f"{ratios} | {ratios_t} |")
+    if "equals_http_target_only" in ip:
+        lines.append(f"\nIn-process target-only greedy output equal to HTTP target-only: "
+                     f"{ip['equals_http_target_only']}")
+    for placement, part in r["serve"].items():
+        if "sampled_replay_identical" in part:
+            lines.append(f"\n{placement}: seeded sampled requests replay identically: "
+                         f"{part['sampled_replay_identical']}; app up in {part['start_s']:.1f} s")
     return "\n".join(lines) + "\n"
 
 
@@ -545,8 +647,9 @@ def plot(r: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     s = r["streams"]
     ip = r["in_process"]
-    ax.plot(s, [ip["target_only"][c]["tokens_per_s"] for c in s], "k--o", label="in process, target only")
-    ax.plot(s, [ip["spec"][c]["tokens_per_s"] for c in s], "k-o", label="in process, drafter co-located")
+    if ip is not None:
+        ax.plot(s, [ip["target_only"][c]["tokens_per_s"] for c in s], "k--o", label="in process, target only")
+        ax.plot(s, [ip["spec"][c]["tokens_per_s"] for c in s], "k-o", label="in process, drafter co-located")
     for placement, part in r["serve"].items():
         if "skipped" in part:
             continue
@@ -570,6 +673,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target-shape", default="llama-8b")
     p.add_argument("--draft-shape", default="llama-1b")
     p.add_argument("--alpha", type=float, default=0.8)
+    p.add_argument("--dtype", default="bfloat16", help="the target's and the draft model's dtype (the folder is "
+                   "written in bf16). In bf16 the target's greedy token can differ between a decode (T=1) and a "
+                   "verify (T=K+1) pass on a near-tie, so the recording (target-only) and the speculative output "
+                   "can part; float32 makes the exactness check strict, at float32 step costs")
     p.add_argument("-k", type=int, default=4)
     p.add_argument("--streams", default="1,8,32")
     p.add_argument("--prompt-len", type=int, default=128)
@@ -581,6 +688,10 @@ def main(argv: list[str] | None = None) -> int:
                    "room for it, else /tmp)")
     p.add_argument("--serve-only", action="store_true",
                    help="skip the in-process part; the HTTP target-only run writes the recording")
+    p.add_argument("--in-process-last", action="store_true",
+                   help="the HTTP part first (its target-only run writes the recording), then the in-process part "
+                   "on the same GPU if --budget-s has not run out (its target-only greedy output is checked "
+                   "against the HTTP one)")
     p.add_argument("--budget-s", type=float, default=540, help="skip what would start after this")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run (--target-shape tiny, --draft-shape "
                    "tiny: a random folder is written for it)")
@@ -603,26 +714,28 @@ def main(argv: list[str] | None = None) -> int:
     log(f"random target folder: {folder}")
     if args.draft_shape == "tiny":  # a dry run: the draft model's forwards run on a folder of the tiny shape
         args.draft_shape = str(write_random_target("tiny", work / "tiny-draft-random", args.device, seed=1))
-    prompts = random_prompts(max(streams), args.prompt_len, shape_args(args.target_shape).vocab_size)
+    # enough prompts for the largest stream count and for the one-after-another requests of 1 stream
+    prompts = random_prompts(max(max(streams), args.single_requests), args.prompt_len,
+                             shape_args(args.target_shape).vocab_size)
     rec_path = work / "recording.json"
     result: dict[str, Any] = {"card": card, "gpus": torch.cuda.device_count(), "date": time.strftime("%Y-%m-%d %H:%M"),
                               "target_shape": args.target_shape, "draft_shape": args.draft_shape,
                               "alpha": args.alpha, "k": args.k, "streams": streams, "prompt_len": args.prompt_len,
                               "max_tokens": args.max_tokens, "single_requests": args.single_requests,
-                              "overlap": not args.no_overlap, "serve": {}, "argv": sys.argv}
+                              "overlap": not args.no_overlap, "dtype": args.dtype, "serve": {}, "argv": sys.argv}
     def save() -> None:
         (out / "serve_gpu_bench.json").write_text(json.dumps(result, indent=1, default=str))
 
     outputs = None
     result["in_process"] = None
-    if not args.serve_only:
+    if rec_path.exists():  # a recording of an earlier run in the same folder
+        rec_path.unlink()
+    if not (args.serve_only or args.in_process_last):
         result["in_process"] = in_process(args, folder, prompts, streams, rec_path)
         save()
         from pipeline.synthetic import Recording
 
         outputs = Recording.load(rec_path).outputs
-    elif rec_path.exists():
-        rec_path.unlink()
     for placement in filter(None, args.placements.split(",")):
         if time.perf_counter() - T0 > args.budget_s:
             result["serve"][placement] = {"skipped": "time budget"}
@@ -639,6 +752,12 @@ def main(argv: list[str] | None = None) -> int:
         (out / "serve_gpu_bench.json").write_text(json.dumps(result, indent=1, default=str))
         (out / "serve_gpu_bench.md").write_text(tables(result))
         print(tables(result), flush=True)
+    if args.in_process_last:
+        if time.perf_counter() - T0 > args.budget_s:
+            log("skipping the in-process part: time budget")
+        else:
+            result["in_process"] = in_process(args, folder, prompts, streams, rec_path)
+            save()
     md = tables(result)
     (out / "serve_gpu_bench.md").write_text(md)
     try:

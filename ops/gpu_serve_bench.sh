@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The Serve pipeline on a GPU machine with no Ray, Redis or package index: unpack what `python -m ops.gpu_bundle`
-# built (the Python site folder and Debian's redis-server), check every import, then run ops.gpu_serve_bench.
+# built (the Python site folder and Debian's redis-server), check every import, then run ops.gpu_serve_bench
+# (or the module BENCH_MODULE names, e.g. ops.gpu_demo_serve).
 #
-#   ops/gpu_serve_bench.sh [--carry DIR] [ops.gpu_serve_bench arguments]     (DIR default: .carry)
+#   ops/gpu_serve_bench.sh [--carry DIR] [the module's arguments]     (DIR default: .carry)
 set -euo pipefail
 CARRY=.carry
 if [[ "${1:-}" == "--carry" ]]; then CARRY=$2; shift 2; fi
@@ -29,4 +30,4 @@ $SPECSERVE_REDIS_SERVER --version || echo "redis-server does not start here"
 $PY -c 'import ray, ray.serve, fastapi, uvicorn, redis, openai, opentelemetry.sdk, pydantic
 import deployments.app, deployments.drafter_replica, pipeline.synthetic
 print("imports ok: ray", ray.__version__, "pydantic", pydantic.__version__)'
-exec $PY -m ops.gpu_serve_bench "$@"
+exec $PY -m "${BENCH_MODULE:-ops.gpu_serve_bench}" "$@"
