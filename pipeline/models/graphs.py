@@ -45,7 +45,7 @@ from pipeline.models import fused_linear as fl
 from pipeline.models import pdl
 from pipeline.models.base import CausalLM
 from pipeline.models.decode_attention import resolve_attention, sdpa_mask, sdpa_slot_attention, triton_slot_attention
-from pipeline.models.llama import LlamaCausalLM
+from pipeline.models.llama import LlamaArgs, LlamaCausalLM
 from pipeline.models.rope_write import cache_rows, rope_split, triton_rope_write
 from pipeline.models.skinny_linear import linear, resolve_linear
 
@@ -232,10 +232,32 @@ class GraphStats:
     shapes: dict = field(default_factory=dict)  # (Bb, Tb, Sb) -> calls
 
 
+def graph_path_reason(a: LlamaArgs) -> str | None:
+    """None when the static-shape path computes this model's layers, else what it lacks (one line). Its layer
+    math and kernels are Llama's: the other families' features run on the eager fast path only."""
+    f = a.family
+    lacks = [what for what, used in (
+        ("q/k norms", f.qk_norm),
+        ("(1 + weight) norms", f.unit_offset_norm),
+        ("post-attention/MLP norms", f.sandwich_norms),
+        ("scaled embeddings", f.embed_scale),
+        (f"a {a.activation} MLP", a.activation != "silu"),
+        ("query_pre_attn_scalar", a.attn_scale is not None),
+        ("attention soft-capping", a.attn_softcap is not None),
+        ("final logit soft-capping", a.final_softcap is not None),
+        ("per-layer sliding windows", len({a.window(i) for i in range(a.n_layers)}) > 1),
+        ("per-layer RoPE bases", a.local_rope_theta is not None),
+    ) if used]
+    return None if not lacks else "the graph path has no " + ", ".join(lacks)
+
+
 class GraphCausalLM:
     """`CausalLM` for decode and verify shapes over static buckets, CUDA-graph captured on CUDA."""
 
     def __init__(self, runner: LlamaCausalLM, config: GraphConfig | None = None) -> None:
+        reason = graph_path_reason(runner.args)
+        if reason is not None:
+            raise ValueError(f"{runner.info.name}: {reason}")
         self.runner = runner
         self.info = runner.info
         self.args = runner.args
@@ -576,11 +598,18 @@ def _input_views(block: torch.Tensor, Bmax: int, Tmax: int) -> tuple[torch.Tenso
 
 
 def maybe_graphs(model: CausalLM, config: GraphConfig | None = None) -> CausalLM:
-    """Wrap a Llama-family runner in `GraphCausalLM`; any other runner is returned as is (said once)."""
+    """Wrap a Llama-family runner in `GraphCausalLM`; any other runner, and a fast-path runner whose family the
+    graph path lacks (`graph_path_reason`), is returned as is (said once)."""
     if isinstance(model, GraphCausalLM):
         return model
     if isinstance(model, LlamaCausalLM):
-        return GraphCausalLM(model, config)
+        reason = graph_path_reason(model.args)
+        if reason is None:
+            return GraphCausalLM(model, config)
+        if model.info.name not in _fallback_warned:
+            _fallback_warned.add(model.info.name)
+            log.warning("%s: eager fast path, no static-shape graphs (%s)", model.info.name, reason)
+        return model
     name = getattr(model.info, "architecture", type(model).__name__)
     if name not in _fallback_warned:
         _fallback_warned.add(name)

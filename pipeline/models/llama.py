@@ -230,7 +230,7 @@ class Attention(nn.Module):
         k_cache[slots[:, None], :, pos] = k
         v_cache[slots[:, None], :, pos] = v
         if self.softcap is not None or (x.device.type == "cpu" and T <= _CPU_SMALL_ROWS):
-            y = _small_attention_cpu(q, k_cache, v_cache, slots, mask, self.scale, self.softcap)
+            y = _stacked_attention(q, k_cache, v_cache, slots, mask, self.scale, self.softcap)
         else:
             keys = k_cache[:, :, :S].index_select(0, slots)  # [B, Hkv, S, D]
             values = v_cache[:, :, :S].index_select(0, slots)  # [B, Hkv, S, D]
@@ -241,7 +241,7 @@ class Attention(nn.Module):
         return linear(self.wo, y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
-def _small_attention_cpu(
+def _stacked_attention(
     q: torch.Tensor,  # [B, T, H, D] (RoPE applied)
     k_cache: torch.Tensor,  # [num_slots, Hkv, max_len, D]
     v_cache: torch.Tensor,
@@ -259,7 +259,7 @@ def _small_attention_cpu(
     B, T, H, D = q.shape
     Hkv, S = k_cache.shape[1], mask.shape[-1]
     G = H // Hkv
-    if B == 1:  # a view: no copy of the row's keys (int() is free on the CPU)
+    if B == 1 and slots.device.type == "cpu":  # a view: no copy of the row's keys (int() is free on the CPU)
         keys, values = k_cache[int(slots[0]), :, :S][None], v_cache[int(slots[0]), :, :S][None]
     else:
         keys, values = k_cache[:, :, :S].index_select(0, slots), v_cache[:, :, :S].index_select(0, slots)
