@@ -209,3 +209,54 @@ def test_config_parsing_of_the_families():
     assert "gemma" in unsupported_reason({**base, "model_type": "gemma"})  # Gemma 1: not a fast-path family
     assert "yarn" in unsupported_reason({**base, "model_type": "gemma3_text", "rope_parameters": {
         "full_attention": {"rope_type": "yarn", "factor": 4.0}, "sliding_attention": {"rope_type": "default"}}})
+
+
+def _tp_rank(rank: int, world_size: int, init: str, paths: dict[str, str], out_dir: str) -> None:
+    """One rank: each family's fixed calls (`tests.support.tp.script`: prefills, a ragged verify call, greedy
+    decoding to position ~26, past the window) on this rank's shard; rank 0 saves what it got."""
+    import torch.distributed as dist
+
+    from pipeline.models.graphs import GraphConfig
+    from pipeline.models.tensor_parallel import init_tensor_parallel, load_tensor_parallel_model, tensor_parallel_graphs
+    from tests.support.tp import MAX_LEN, SLOTS, script
+
+    tp = init_tensor_parallel(rank, world_size, init, "cpu", collective_timeout_s=60, control_timeout_s=30)
+    results = {}
+    for family, path in paths.items():
+        runner = load_tensor_parallel_model(path, tp)
+        runner.allocate(SLOTS, MAX_LEN)
+        results[family] = script(runner, runner.info.vocab_size)
+        results[family]["num_parameters"] = runner.info.num_parameters
+        static = GraphConfig(graphs=False, compile=False)
+        results[family]["graphs_refused"] = tensor_parallel_graphs(runner, static) is runner  # eager, every rank
+    if rank == 0:
+        torch.save(results, Path(out_dir) / "results.pt")
+    dist.destroy_process_group()
+
+
+def test_tp2_equals_tp1(family_dir, tmp_path):
+    """Two CPU ranks (gloo) against the single-process runner: logits to float32 summation order, the same greedy
+    tokens; the static-shape TP path keeps the eager sharded runner for these families."""
+    from tests.support.tp import MAX_LEN, SLOTS, script, spawn, wait_file
+
+    paths = {family: str(family_dir(family)) for family in FAMILIES}
+    procs = spawn(_tp_rank, 2, paths, str(tmp_path))
+    try:
+        wait_file(tmp_path / "results.pt", 120, procs)
+        for p in procs:
+            p.join(30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    got = torch.load(tmp_path / "results.pt", weights_only=False)
+    for family, path in paths.items():
+        runner, _ = load_model(path)
+        runner.allocate(SLOTS, MAX_LEN)
+        want = script(runner, runner.info.vocab_size)
+        for key in ("prefill_a", "prefill_b", "verify"):
+            diff = (got[family][key] - want[key]).abs().max().item()
+            assert diff < 1e-5, f"{family} {key}: max |TP2 - TP1| = {diff:.2e}"
+        assert got[family]["greedy"].tolist() == want["greedy"].tolist(), family
+        assert got[family]["num_parameters"] == runner.info.num_parameters
+        assert got[family]["graphs_refused"]
