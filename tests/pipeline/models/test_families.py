@@ -260,3 +260,29 @@ def test_tp2_equals_tp1(family_dir, tmp_path):
         assert got[family]["greedy"].tolist() == want["greedy"].tolist(), family
         assert got[family]["num_parameters"] == runner.info.num_parameters
         assert got[family]["graphs_refused"]
+
+
+def test_specserve_generate_says_which_runner_and_matches_hf(family_dir, tmp_path, capsys):
+    """`specserve generate --target DIR --draft prompt-lookup --temperature 0` on a Gemma 2 folder (a word-level
+    tokenizer added): one stderr line names the runner; the tokens run past the window and equal HF's greedy."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from specserve.cli import build_parser
+
+    folder = tmp_path / "gemma2-tok"
+    shutil.copytree(family_dir("gemma2"), folder)
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(96)}, unk_token="w3"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w3", pad_token="w0").save_pretrained(folder)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 9, 5, 6, 7]
+    args = build_parser().parse_args(["generate", "--prompt", " ".join(f"w{i}" for i in prompt), "--target",
+                                      str(folder), "--draft", "prompt-lookup", "--temperature", "0",
+                                      "--max-tokens", "24", "--json", "--max-seq-len", "64"])
+    assert args.func(args) == 0
+    out, err = capsys.readouterr()
+    assert f"[target {folder.name}: fast path (model_type 'gemma2')]" in err.splitlines()
+    want = hf_model(folder).generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):]
+    assert json.loads(out)["token_ids"] == want.tolist()
