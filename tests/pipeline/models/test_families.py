@@ -59,6 +59,13 @@ def test_fast_path_logits_match_hf_past_the_window(family_dir, family):
     diff = check_against_hf(runner, hf, 96)
     print(f"{family}: max |logits - HF| = {diff:.2e}")
     assert diff < TOL
+    # bfloat16 near HF's bfloat16 (measured equal: the norms, the embedding scale and the caps round as HF's do)
+    runner, _ = load_model(path, dtype="bfloat16")
+    runner.allocate(1, 2 * WINDOW + 8)
+    tokens = torch.randint(0, 96, (1, 2 * WINDOW + 8), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)(tokens).logits.float()
+    assert (runner.forward(tokens, torch.tensor([0]), torch.tensor([0])) - ref).abs().max() < 0.02
 
 
 def test_the_window_the_caps_and_the_rope_bases_are_active(family_dir, tmp_path):
