@@ -144,11 +144,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.unit_offset:
+            return rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.unit_offset:
-            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * x32.to(x.dtype)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [..., C] -> [..., C]
+    """HF LlamaRMSNorm as a function of tensors: normalise in float32, cast back, then scale."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
 
 
 def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:

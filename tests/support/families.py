@@ -61,8 +61,12 @@ def tp_rank(rank: int, world_size: int, init: str, paths: dict[str, str], out_di
         runner.allocate(SLOTS, MAX_LEN)
         results[family] = script(runner, runner.info.vocab_size)
         results[family]["num_parameters"] = runner.info.num_parameters
-        static = GraphConfig(graphs=False, compile=False)
-        results[family]["graphs_refused"] = tensor_parallel_graphs(runner, static) is runner  # eager, every rank
+        static = GraphConfig(graphs=False, compile=False, batch_buckets=(1, 2, 4), token_buckets=(1, 2, 4))
+        graphs = tensor_parallel_graphs(runner, static)
+        results[family]["graphs_refused"] = graphs is runner  # the eager sharded runner, on every rank alike
+        if graphs is not runner:  # the static-shape path, uncaptured on CPU
+            graphs.allocate(SLOTS, MAX_LEN)
+            results[family]["graphs"] = script(graphs, runner.info.vocab_size)
     if rank == 0:
         torch.save(results, Path(out_dir) / "results.pt")
     dist.destroy_process_group()

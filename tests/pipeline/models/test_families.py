@@ -139,7 +139,8 @@ def test_which_runner_and_why_in_one_line(family_dir, caplog):
         line = runner_choice(family_dir(family))
         assert "fast path" in line and "\n" not in line, line
     gemma3 = runner_choice(family_dir("gemma3"), "cuda")  # reads config.json only: no GPU needed
-    assert "eager on CUDA" in gemma3 and "q/k norms" in gemma3 and "per-layer sliding windows" in gemma3
+    assert "eager on CUDA" in gemma3 and "(1 + weight) norms" in gemma3 and "per-layer sliding windows" in gemma3
+    assert runner_choice(family_dir("qwen3"), "cuda").endswith("; CUDA graph path")
     generic = family_dir("gemma2", safetensors=False)
     assert runner_choice(generic) == f"{generic.name}: generic HF runner, not the fast path: no *.safetensors weights"
     with caplog.at_level("INFO", logger="pipeline.models.loader"):
@@ -150,11 +151,44 @@ def test_which_runner_and_why_in_one_line(family_dir, caplog):
 def test_graph_path_refuses_the_families_it_lacks_with_the_reason(family_dir):
     from pipeline.models.graphs import GraphCausalLM, GraphConfig, graph_path_reason, maybe_graphs
 
-    runner, _ = load_model(family_dir("qwen3"))
-    assert graph_path_reason(runner.args) == "the graph path has no q/k norms"
-    with pytest.raises(ValueError, match="q/k norms"):
+    runner, _ = load_model(family_dir("gemma2"))
+    assert graph_path_reason(runner.args) == (
+        "the graph path has no (1 + weight) norms, post-attention/MLP norms, scaled embeddings, a gelu_pytorch_tanh "
+        "MLP, query_pre_attn_scalar, attention soft-capping, final logit soft-capping, per-layer sliding windows")
+    with pytest.raises(ValueError, match="soft-capping"):
         GraphCausalLM(runner, GraphConfig(graphs=False, compile=False))
     assert maybe_graphs(runner) is runner  # the eager fast path, said once in the log
+
+
+def test_qwen3_static_path_equals_eager(family_dir):
+    """Qwen3 on the static-shape path (its q/k norms in `attn_in`, RoPE outside the fused kernels), uncaptured on
+    CPU: ragged rows padded to buckets, past the window-sized contexts, equal the eager runner row by row."""
+    from pipeline.models.graphs import GraphCausalLM, GraphConfig
+
+    path = family_dir("qwen3")
+    static = GraphConfig(graphs=False, compile=False, batch_buckets=(1, 2, 4), token_buckets=(1, 2, 4, 8), kv_block=16)
+    graph, _ = load_model(path)
+    graph = GraphCausalLM(graph, static)
+    assert not graph.fused_layer
+    eager, _ = load_model(path)
+    graph.allocate(4, 64)
+    eager.allocate(4, 64)
+    g = torch.Generator().manual_seed(3)
+    lengths = {0: 21, 2: 9, 3: 30}
+    for slot, n in lengths.items():
+        prompt = torch.randint(0, 96, (1, n), generator=g)
+        for m in (graph, eager):
+            m.forward(prompt, torch.tensor([0]), torch.tensor([slot]))
+    for T in (1, 3, 5):
+        slots = [3, 0, 2]
+        tokens = torch.randint(0, 96, (3, T), generator=g)
+        positions = torch.tensor([lengths[s] for s in slots])
+        got = graph.forward(tokens, positions, torch.tensor(slots))
+        for b, s in enumerate(slots):
+            want = eager.forward(tokens[b : b + 1], positions[b : b + 1], torch.tensor([s]))
+            torch.testing.assert_close(got[b : b + 1], want, rtol=1e-5, atol=1e-5)
+        lengths = {s: lengths[s] + 1 for s in lengths}  # all but the first token rejected
+    assert graph.stats.graph_calls == 3
 
 
 def test_config_parsing_of_the_families():
@@ -187,7 +221,7 @@ def test_config_parsing_of_the_families():
 
 def test_tp2_equals_tp1(family_dir, tmp_path):
     """Two CPU ranks (gloo) against the single-process runner: logits to float32 summation order, the same greedy
-    tokens; the static-shape TP path keeps the eager sharded runner for these families."""
+    tokens; the static-shape TP path (uncaptured on CPU) for Qwen3, the eager sharded runner for Gemma."""
     from tests.support.tp import MAX_LEN, SLOTS, script, spawn, wait_file
 
     paths = {family: str(family_dir(family)) for family in FAMILIES}
@@ -210,7 +244,10 @@ def test_tp2_equals_tp1(family_dir, tmp_path):
             assert diff < 1e-5, f"{family} {key}: max |TP2 - TP1| = {diff:.2e}"
         assert got[family]["greedy"].tolist() == want["greedy"].tolist(), family
         assert got[family]["num_parameters"] == runner.info.num_parameters
-        assert got[family]["graphs_refused"]
+        assert got[family]["graphs_refused"] == family.startswith("gemma")
+        if family == "qwen3":
+            assert got[family]["graphs"]["greedy"].tolist() == want["greedy"].tolist()
+            assert (got[family]["graphs"]["verify"] - want["verify"]).abs().max() < 1e-5
 
 
 def test_specserve_generate_says_which_runner_and_matches_hf(family_dir, tmp_path, capsys):
