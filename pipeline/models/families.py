@@ -17,7 +17,10 @@ entry in `FAMILIES`, and `family_reason` says why a config of a known family can
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from functools import partial
+from typing import Any, Callable, Literal
+
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,8 @@ FAMILIES: dict[str, Family] = {
                           rope_types=("default", "linear"), attn_softcap_key=None, defaults=_GEMMA_DEFAULTS),
 }
 
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # MLP gate activations the runner computes exactly as transformers
+# MLP gate activations, computed exactly as transformers' ACT2FN computes them
+ACTIVATIONS: dict[str, Callable] = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 
 
 def with_defaults(config: dict[str, Any]) -> dict[str, Any]:

@@ -28,7 +28,15 @@ from safetensors import safe_open
 from torch import nn
 
 from pipeline.models.base import ModelInfo
-from pipeline.models.families import FAMILIES, Family, family_reason, layer_types, rope_sets, with_defaults
+from pipeline.models.families import (
+    ACTIVATIONS,
+    FAMILIES,
+    Family,
+    family_reason,
+    layer_types,
+    rope_sets,
+    with_defaults,
+)
 
 FAST_PATH_MODEL_TYPES = frozenset(FAMILIES)
 
@@ -163,8 +171,6 @@ def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
     return x if cap is None else torch.tanh(x / cap) * cap
 
 
-_ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
-
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
@@ -280,7 +286,7 @@ def _stacked_attention(
 class MLP(nn.Module):
     def __init__(self, a: LlamaArgs) -> None:
         super().__init__()
-        self.act = _ACTIVATIONS[a.activation]
+        self.act = ACTIVATIONS[a.activation]
         self.w1 = nn.Linear(a.dim, a.intermediate_size, bias=a.mlp_bias)  # gate
         self.w3 = nn.Linear(a.dim, a.intermediate_size, bias=a.mlp_bias)  # up
         self.w2 = nn.Linear(a.intermediate_size, a.dim, bias=a.mlp_bias)  # down
