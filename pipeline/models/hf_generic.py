@@ -21,6 +21,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from pipeline.models.base import ModelInfo
+from pipeline.models.families import FAMILIES
 
 log = logging.getLogger(__name__)
 _warned = False
@@ -34,7 +35,7 @@ class HFGenericCausalLM:
         if not _warned:
             warnings.warn(
                 f"{info.architecture}: using the generic HF runner (slow: rows run one at a time); "
-                "the fast path covers the families of pipeline.models.families",
+                f"the fast path covers model_type {', '.join(FAMILIES)}",
                 stacklevel=2,
             )
             _warned = True
