@@ -56,12 +56,14 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from pipeline.engine import SpeculativeEngine, default_draft
+    from pipeline.models.loader import runner_choice
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     draft = None if args.no_draft else (default_draft(args.target) if args.draft in (None, "default") else args.draft)
     config = EngineConfig(max_batch_size=1, max_seq_len=args.max_seq_len, device=args.device, dtype=args.dtype,
                           draft_weights=args.draft_weights)
     engine = SpeculativeEngine.from_pretrained(args.target, draft, config, adaptive_k=not args.fixed_k)
+    sys.stderr.write(f"[target {runner_choice(args.target, args.device)}]\n")  # which runner, and why
 
     result = None
     for event in engine.stream(args.prompt, params, spec, chat=args.chat):

@@ -160,10 +160,12 @@ def run(args: argparse.Namespace) -> int:
 
     # Resolve (and on first use download + convert) the models once here, not in every replica.
     from pipeline.config import is_synthetic
+    from pipeline.models.loader import runner_choice
     from pipeline.models.store import resolve
 
     print("specserve: preparing models ...", flush=True)
     cfg.target.model = str(resolve(cfg.target.model))
+    print(f"specserve: target {runner_choice(cfg.target.model, cfg.target.device)}", flush=True)
     if cfg.drafter.uses_model and not is_synthetic(cfg.drafter.model):  # a synthetic word names no folder
         cfg.drafter = cfg.drafter.with_model(str(resolve(cfg.drafter.model)))
 

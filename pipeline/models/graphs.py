@@ -45,7 +45,7 @@ from pipeline.models import fused_linear as fl
 from pipeline.models import pdl
 from pipeline.models.base import CausalLM
 from pipeline.models.decode_attention import resolve_attention, sdpa_mask, sdpa_slot_attention, triton_slot_attention
-from pipeline.models.llama import LlamaCausalLM
+from pipeline.models.llama import LlamaArgs, LlamaCausalLM, rms_norm
 from pipeline.models.rope_write import cache_rows, rope_split, triton_rope_write
 from pipeline.models.skinny_linear import linear, resolve_linear
 
@@ -126,13 +126,6 @@ def plan_shape(B: int, T: int, max_pos: int, max_len: int, cfg: GraphConfig,
 # The per-layer math, as free functions of tensors (so one compiled version serves every layer)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF LlamaRMSNorm: normalise in float32, cast back, then scale (as llama.RMSNorm)."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
 def qkv_proj(
     x: torch.Tensor,  # [B, T, C]
     norm_w: torch.Tensor,  # [C]
@@ -155,8 +148,11 @@ def attn_in(
     n_heads: int,
     n_kv_heads: int,
     linear_kind: str = "torch",
+    q_norm: torch.Tensor | None = None,  # [D] per-head q/k norm weights (Qwen3); None: none
+    k_norm: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [B, Hkv, G*T, D]; k, v [B*T*Hkv, D]
-    return rope_split(qkv_proj(x, norm_w, wqkv, bqkv, eps, linear_kind), cos, sin, n_heads, n_kv_heads)
+    qkv = qkv_proj(x, norm_w, wqkv, bqkv, eps, linear_kind)
+    return rope_split(qkv, cos, sin, n_heads, n_kv_heads, q_norm, k_norm, eps)
 
 
 def attn_out_mlp(
@@ -198,6 +194,8 @@ class _LayerWeights:
     b13: torch.Tensor | None
     w2: torch.Tensor
     b2: torch.Tensor | None
+    q_norm: torch.Tensor | None = None  # [D] per-head norms before RoPE (Qwen3)
+    k_norm: torch.Tensor | None = None
 
 
 def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -232,10 +230,31 @@ class GraphStats:
     shapes: dict = field(default_factory=dict)  # (Bb, Tb, Sb) -> calls
 
 
+def graph_path_reason(a: LlamaArgs) -> str | None:
+    """None when the static-shape path computes this model's layers, else what it lacks (one line). Its layer
+    math and kernels are Llama's: the other families' features run on the eager fast path only."""
+    f = a.family
+    lacks = [what for what, used in (
+        ("(1 + weight) norms", f.unit_offset_norm),
+        ("post-attention/MLP norms", f.sandwich_norms),
+        ("scaled embeddings", f.embed_scale),
+        (f"a {a.activation} MLP", a.activation != "silu"),
+        ("query_pre_attn_scalar", a.attn_scale is not None),
+        ("attention soft-capping", a.attn_softcap is not None),
+        ("final logit soft-capping", a.final_softcap is not None),
+        ("per-layer sliding windows", len({a.window(i) for i in range(a.n_layers)}) > 1),
+        ("per-layer RoPE bases", a.local_rope_theta is not None),
+    ) if used]
+    return None if not lacks else "the graph path has no " + ", ".join(lacks)
+
+
 class GraphCausalLM:
     """`CausalLM` for decode and verify shapes over static buckets, CUDA-graph captured on CUDA."""
 
     def __init__(self, runner: LlamaCausalLM, config: GraphConfig | None = None) -> None:
+        reason = graph_path_reason(runner.args)
+        if reason is not None:
+            raise ValueError(f"{runner.info.name}: {reason}")
         self.runner = runner
         self.info = runner.info
         self.args = runner.args
@@ -273,6 +292,7 @@ class GraphCausalLM:
             self._layers.append(_LayerWeights(
                 layer.attention_norm.weight, wqkv, bqkv, at.wo.weight, at.wo.bias,
                 layer.ffn_norm.weight, w13, b13, ff.w2.weight, ff.w2.bias,
+                *((at.q_norm.weight, at.k_norm.weight) if at.q_norm is not None else ()),
             ))
         # weights='fp8': per layer {name: (float8 weight, row scales)}, and the output layer's
         self._fp8: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
@@ -305,6 +325,8 @@ class GraphCausalLM:
         why = None
         if self.attention != "triton":
             why = "the Triton attention"
+        elif self.args.family.qk_norm:
+            why = "a model without q/k norms"
         elif cfg.fused_rope is False:
             why = "the fused RoPE/cache write"
         elif self.dtype not in fl.HALF_DTYPES:
@@ -502,7 +524,8 @@ class GraphCausalLM:
         pos = positions[:, None] + self._arange[:T]  # [B, T]
         scale = 1.0 / math.sqrt(D)  # SDPA's default
         triton = self.attention == "triton"
-        fused_rope = triton if self.config.fused_rope is None else self.config.fused_rope
+        # The fused RoPE/cache write has no q/k norms: such a model (Qwen3) rotates in `attn_in`.
+        fused_rope = (triton if self.config.fused_rope is None else self.config.fused_rope) and not a.family.qk_norm
         if not fused_rope:
             cos = self.runner._cos[pos].unsqueeze(2)  # [B, T, 1, D]
             sin = self.runner._sin[pos].unsqueeze(2)
@@ -515,7 +538,8 @@ class GraphCausalLM:
                 qkv = self._qkv_proj(x, w.attn_norm, w.wqkv, w.bqkv, a.norm_eps, lk)
                 q = triton_rope_write(qkv, self.runner._cos, self.runner._sin, pos, slots, k_cache, v_cache, a.n_heads)
             else:
-                q, k, v = self._attn_in(x, w.attn_norm, w.wqkv, w.bqkv, cos, sin, a.norm_eps, a.n_heads, Hkv, lk)
+                q, k, v = self._attn_in(x, w.attn_norm, w.wqkv, w.bqkv, cos, sin, a.norm_eps, a.n_heads, Hkv, lk,
+                                        w.q_norm, w.k_norm)
                 k_cache.view(-1, D).index_copy_(0, rows, k)
                 v_cache.view(-1, D).index_copy_(0, rows, v)
             if triton:
@@ -576,11 +600,18 @@ def _input_views(block: torch.Tensor, Bmax: int, Tmax: int) -> tuple[torch.Tenso
 
 
 def maybe_graphs(model: CausalLM, config: GraphConfig | None = None) -> CausalLM:
-    """Wrap a Llama-family runner in `GraphCausalLM`; any other runner is returned as is (said once)."""
+    """Wrap a Llama-family runner in `GraphCausalLM`; any other runner, and a fast-path runner whose family the
+    graph path lacks (`graph_path_reason`), is returned as is (said once)."""
     if isinstance(model, GraphCausalLM):
         return model
     if isinstance(model, LlamaCausalLM):
-        return GraphCausalLM(model, config)
+        reason = graph_path_reason(model.args)
+        if reason is None:
+            return GraphCausalLM(model, config)
+        if model.info.name not in _fallback_warned:
+            _fallback_warned.add(model.info.name)
+            log.warning("%s: eager fast path, no static-shape graphs (%s)", model.info.name, reason)
+        return model
     name = getattr(model.info, "architecture", type(model).__name__)
     if name not in _fallback_warned:
         _fallback_warned.add(name)

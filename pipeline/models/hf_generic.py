@@ -3,6 +3,10 @@
 Each slot owns an HF `DynamicCache`. A row at position p first crops its slot's cache to p tokens (this
 is the rollback of rejected drafts), then feeds its tokens. Rows run one at a time: correct for every
 architecture HF supports, not fast. Use it to serve odd models, not to benchmark.
+
+Every attention layer keeps all its positions, sliding-window layers (Gemma 2/3, Qwen with windows) included:
+transformers' sliding-window cache layers drop what falls out of the window, which makes a rollback past the
+window impossible (`crop`). The sliding layers' mask still hides those keys, so the logits are the same.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ import warnings
 import torch
 from torch import nn
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from pipeline.models.base import ModelInfo
+from pipeline.models.families import FAMILIES
 
 log = logging.getLogger(__name__)
 _warned = False
@@ -29,7 +35,7 @@ class HFGenericCausalLM:
         if not _warned:
             warnings.warn(
                 f"{info.architecture}: using the generic HF runner (slow: rows run one at a time); "
-                "the fast path covers llama/mistral/qwen2",
+                f"the fast path covers model_type {', '.join(FAMILIES)}",
                 stacklevel=2,
             )
             _warned = True
@@ -53,8 +59,16 @@ class HFGenericCausalLM:
 
     def allocate(self, num_slots: int, max_len: int) -> None:
         assert num_slots >= 1 and max_len >= 1, f"need num_slots, max_len >= 1, got {num_slots}, {max_len}"
-        self._caches = [DynamicCache(config=self.model.config) for _ in range(num_slots)]
+        self._caches = [self._new_cache() for _ in range(num_slots)]
         self._max_len = max_len
+
+    def _new_cache(self) -> DynamicCache:
+        """The model's `DynamicCache`, with every sliding-window layer replaced by one that keeps every position
+        (so that `crop` can roll back past the window)."""
+        cache = DynamicCache(config=self.model.config)
+        cache.layers = [DynamicLayer() if isinstance(layer, DynamicSlidingWindowLayer) else layer
+                        for layer in cache.layers]
+        return cache
 
     @torch.inference_mode()
     def forward(

@@ -1,7 +1,9 @@
-"""Pure-torch Llama-family runner (Llama, Mistral, Qwen2, SmolLM2) with a slot-indexed KV cache.
+"""Pure-torch Llama-family runner (Llama, Mistral, Qwen2/3, Gemma 2/3, SmolLM2) with a slot-indexed KV cache.
 
 Numerics follow HF transformers' `LlamaForCausalLM` (RMSNorm in float32 then cast back and scaled,
-non-interleaved RoPE with `rotate_half`, SiLU-gated MLP), so float32 logits agree with HF to ~1e-5.
+non-interleaved RoPE with `rotate_half`, SiLU-gated MLP), so float32 logits agree with HF to ~1e-5. What the
+other families change (q/k norms, Gemma's norms, GeGLU, soft-capping, per-layer windows and RoPE bases) is a
+`families.Family` entry plus the numbers in `LlamaArgs`; the modules below read them, nothing else does.
 
 KV cache layout, per layer: `k_cache`, `v_cache` of shape `[num_slots, n_kv_heads, max_len, head_dim]`.
 Heads sit before positions so that the keys of a batch, `k_cache[slots, :, :kv_len]`, come out as
@@ -26,8 +28,17 @@ from safetensors import safe_open
 from torch import nn
 
 from pipeline.models.base import ModelInfo
+from pipeline.models.families import (
+    ACTIVATIONS,
+    FAMILIES,
+    Family,
+    family_reason,
+    layer_types,
+    rope_sets,
+    with_defaults,
+)
 
-FAST_PATH_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+FAST_PATH_MODEL_TYPES = frozenset(FAMILIES)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -50,8 +61,24 @@ class LlamaArgs:
     qkv_bias: bool  # Qwen2: biases on q/k/v projections
     o_bias: bool
     mlp_bias: bool
-    sliding_window: int | None  # Mistral: a query at p sees keys in (p - window, p]; None: no window
+    sliding_window: int | None  # a query at p sees keys in (p - window, p] (on `sliding_layers`); None: no window
     max_position_embeddings: int
+    family: Family = Family()  # what the decoder layer changes from Llama's (families.py)
+    activation: str = "silu"  # the MLP gate: "silu" or "gelu_pytorch_tanh" (GeGLU)
+    sliding_layers: tuple[bool, ...] | None = None  # per layer: attends through the window; None: every layer
+    local_rope_theta: float | None = None  # RoPE base of the sliding layers (Gemma 3); None: rope_theta everywhere
+    attn_scale: float | None = None  # the attention logits' scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # attention logits -> cap * tanh(logits / cap) before the mask; None: none
+    final_softcap: float | None = None  # the same on the output logits
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (None: it attends to every earlier position)."""
+        slides = self.sliding_layers is None or self.sliding_layers[layer]
+        return self.sliding_window if slides else None
+
+    def local_rope(self, layer: int) -> bool:
+        """Layer `layer` rotates by the sliding layers' own RoPE base."""
+        return self.local_rope_theta is not None and self.window(layer) is not None
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> "LlamaArgs":
@@ -59,10 +86,14 @@ class LlamaArgs:
         reason = unsupported_reason(config)
         if reason is not None:
             raise ValueError(f"config not supported by the Llama fast path: {reason}")
+        config = with_defaults(config)
         n_heads = config["num_attention_heads"]
-        model_type = config["model_type"]
+        family = FAMILIES[config["model_type"]]
         theta, scaling = _rope_params(config)
+        local = rope_sets(config, family)[1]
         attention_bias = bool(config.get("attention_bias", False))
+        sliding = layer_types(config, family)
+        scalar = config.get("query_pre_attn_scalar")
         return cls(
             vocab_size=config["vocab_size"],
             dim=config["hidden_size"],
@@ -75,51 +106,36 @@ class LlamaArgs:
             rope_theta=theta,
             rope_scaling=scaling,
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=model_type != "qwen2" and attention_bias,
+            qkv_bias=family.qkv_bias_default or attention_bias,
+            o_bias=not family.qkv_bias_default and attention_bias,
             mlp_bias=bool(config.get("mlp_bias", False)),
-            sliding_window=config.get("sliding_window") if model_type == "mistral" else None,
+            sliding_window=config.get("sliding_window") if any(sliding) else None,
             max_position_embeddings=config.get("max_position_embeddings", 4096),
+            family=family,
+            activation=config.get(family.activation_key) or "silu",
+            sliding_layers=sliding,
+            local_rope_theta=None if local is None else local["rope_theta"],
+            attn_scale=None if scalar is None else float(scalar) ** -0.5,
+            attn_softcap=config.get(family.attn_softcap_key) if family.attn_softcap_key else None,
+            final_softcap=config.get("final_logit_softcapping"),
         )
 
 
 def _rope_params(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, scaling dict or None) from either transformers-5 `rope_parameters` or the older
-    `rope_theta` + `rope_scaling` keys."""
-    params = dict(config.get("rope_parameters") or {})
-    legacy = config.get("rope_scaling") or {}
-    params = {**legacy, **params}
-    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    """(rope_theta, scaling dict or None) of the global layers, from either transformers-5 `rope_parameters` or
+    the older `rope_theta` + `rope_scaling` keys."""
+    params = rope_sets(config, FAMILIES[config["model_type"]])[0]
+    theta, rope_type = params["rope_theta"], params["rope_type"]
     if rope_type == "default":
         return theta, None
-    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "type")} | {"rope_type": rope_type}
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
     scaling.setdefault("original_max_position_embeddings", config.get("max_position_embeddings"))
     return theta, scaling
 
 
 def unsupported_reason(config: dict[str, Any]) -> str | None:
     """None when the fast path runs this config exactly, else a short reason (for the fallback log)."""
-    model_type = config.get("model_type")
-    if model_type not in FAST_PATH_MODEL_TYPES:
-        return f"model_type {model_type!r} is not one of {sorted(FAST_PATH_MODEL_TYPES)}"
-    act = config.get("hidden_act", "silu")
-    if act != "silu":
-        return f"hidden_act {act!r} (only silu)"
-    params = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
-    if any(isinstance(v, dict) for v in params.values()):
-        return "per-layer rope parameters"
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        return f"rope_type {rope_type!r} (only default and llama3)"
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        return "partial_rotary_factor != 1"
-    layer_types = config.get("layer_types") or []
-    if model_type == "qwen2" and (config.get("use_sliding_window") or "sliding_attention" in layer_types):
-        return "qwen2 per-layer sliding window attention"
-    if config.get("pretraining_tp", 1) not in (None, 1):
-        return "pretraining_tp != 1"
-    return None
+    return family_reason(with_defaults(config))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -127,17 +143,33 @@ def unsupported_reason(config: dict[str, Any]) -> str | None:
 
 
 class RMSNorm(nn.Module):
-    """HF LlamaRMSNorm: normalise in float32, cast back to the input dtype, then scale."""
+    """HF LlamaRMSNorm: normalise in float32, cast back to the input dtype, then scale. `unit_offset` (Gemma):
+    scale by (1 + weight) in float32, then cast."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.unit_offset = eps, unit_offset
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.unit_offset:
+            return rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [..., C] -> [..., C]
+    """HF LlamaRMSNorm as a function of tensors: normalise in float32, cast back, then scale."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def soft_cap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap) (Gemma's logit soft-capping); x itself when cap is None."""
+    return x if cap is None else torch.tanh(x / cap) * cap
+
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -155,6 +187,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
     assert scaling["rope_type"] == "llama3", f"unsupported rope_type {scaling['rope_type']!r}"
     factor = scaling["factor"]
     low_freq_factor = scaling["low_freq_factor"]
@@ -174,10 +208,17 @@ class Attention(nn.Module):
     def __init__(self, a: LlamaArgs) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
+        self.scale = a.attn_scale if a.attn_scale is not None else a.head_dim**-0.5
+        self.softcap = a.attn_softcap
         self.wq = nn.Linear(a.dim, a.n_heads * a.head_dim, bias=a.qkv_bias)
         self.wk = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
         self.wv = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=a.qkv_bias)
         self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=a.o_bias)
+        if a.family.qk_norm:  # over each head's D features, shared by the heads
+            self.q_norm = RMSNorm(a.head_dim, a.norm_eps, a.family.unit_offset_norm)
+            self.k_norm = RMSNorm(a.head_dim, a.norm_eps, a.family.unit_offset_norm)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(
         self,
@@ -195,29 +236,35 @@ class Attention(nn.Module):
         q = linear(self.wq, x).view(B, T, self.n_heads, self.head_dim)  # [B, T, H, D]
         k = linear(self.wk, x).view(B, T, self.n_kv_heads, self.head_dim)  # [B, T, Hkv, D]
         v = linear(self.wv, x).view(B, T, self.n_kv_heads, self.head_dim)  # [B, T, Hkv, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Advanced indices split by a slice put their broadcast dims first: the target is [B, T, Hkv, D].
         k_cache[slots[:, None], :, pos] = k
         v_cache[slots[:, None], :, pos] = v
-        if x.device.type == "cpu" and T <= _CPU_SMALL_ROWS:
-            y = _small_attention_cpu(q, k_cache, v_cache, slots, mask)
+        if self.softcap is not None or (x.device.type == "cpu" and T <= _CPU_SMALL_ROWS):
+            y = _stacked_attention(q, k_cache, v_cache, slots, mask, self.scale, self.softcap)
         else:
             keys = k_cache[:, :, :S].index_select(0, slots)  # [B, Hkv, S, D]
             values = v_cache[:, :, :S].index_select(0, slots)  # [B, Hkv, S, D]
             y = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads
+                q.transpose(1, 2), keys, values, attn_mask=mask, scale=self.scale,
+                enable_gqa=self.n_heads != self.n_kv_heads,
             )  # [B, H, T, D]
         return linear(self.wo, y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
-def _small_attention_cpu(
+def _stacked_attention(
     q: torch.Tensor,  # [B, T, H, D] (RoPE applied)
     k_cache: torch.Tensor,  # [num_slots, Hkv, max_len, D]
     v_cache: torch.Tensor,
     slots: torch.Tensor,  # [B]
     mask: torch.Tensor,  # [B, 1, T, S] bool, True = attend
+    scale: float,  # the logits' scale (head_dim ** -0.5 unless the family says otherwise)
+    softcap: float | None = None,  # logits -> softcap * tanh(logits / softcap) before the mask
 ) -> torch.Tensor:  # [B, H, T, D]
-    """Attention for decode/verify-sized queries on the CPU: the G query heads that share a KV head are
+    """Attention for decode/verify-sized queries on the CPU, and for every call of a family with soft-capped
+    attention logits (which SDPA cannot compute): the G query heads that share a KV head are
     stacked (`[B, Hkv, G*T, D]`), so each cached key is read once with no GQA expansion, and a single row
     reads its slot in place instead of gathering a copy. For T = 2-5 torch's CPU SDPA takes its math path
     (expanding K/V per query head: 37 ms of a 90 ms step of the demo model at 1,000 positions); this path
@@ -225,12 +272,12 @@ def _small_attention_cpu(
     B, T, H, D = q.shape
     Hkv, S = k_cache.shape[1], mask.shape[-1]
     G = H // Hkv
-    if B == 1:  # a view: no copy of the row's keys (int() is free on the CPU)
+    if B == 1 and slots.device.type == "cpu":  # a view: no copy of the row's keys (int() is free on the CPU)
         keys, values = k_cache[int(slots[0]), :, :S][None], v_cache[int(slots[0]), :, :S][None]
     else:
         keys, values = k_cache[:, :, :S].index_select(0, slots), v_cache[:, :, :S].index_select(0, slots)
     qs = q.permute(0, 2, 1, 3).reshape(B, Hkv, G * T, D)  # head h = kv_head * G + g
-    scores = torch.matmul(qs, keys.transpose(-1, -2)).mul_(1.0 / math.sqrt(D))  # [B, Hkv, G*T, S]
+    scores = soft_cap(torch.matmul(qs, keys.transpose(-1, -2)).mul_(scale), softcap)  # [B, Hkv, G*T, S]
     scores = scores.view(B, Hkv, G, T, S).masked_fill_(~mask[:, :, None], float("-inf"))
     probs = torch.softmax(scores.view(B, Hkv, G * T, S), dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, values).view(B, H, T, D)
@@ -239,25 +286,33 @@ def _small_attention_cpu(
 class MLP(nn.Module):
     def __init__(self, a: LlamaArgs) -> None:
         super().__init__()
+        self.act = ACTIVATIONS[a.activation]
         self.w1 = nn.Linear(a.dim, a.intermediate_size, bias=a.mlp_bias)  # gate
         self.w3 = nn.Linear(a.dim, a.intermediate_size, bias=a.mlp_bias)  # up
         self.w2 = nn.Linear(a.intermediate_size, a.dim, bias=a.mlp_bias)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, C] -> [B, T, C]
-        return linear(self.w2, F.silu(linear(self.w1, x)) * linear(self.w3, x))
+        return linear(self.w2, self.act(linear(self.w1, x)) * linear(self.w3, x))
 
 
 class Block(nn.Module):
     def __init__(self, a: LlamaArgs) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(a.dim, a.norm_eps)
+        offset = a.family.unit_offset_norm
+        self.attention_norm = RMSNorm(a.dim, a.norm_eps, offset)
         self.attention = Attention(a)
-        self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
+        self.ffn_norm = RMSNorm(a.dim, a.norm_eps, offset)
         self.feed_forward = MLP(a)
+        if a.family.sandwich_norms:  # Gemma: the attention and MLP outputs are normalised before the residual add
+            self.post_attention_norm = RMSNorm(a.dim, a.norm_eps, offset)
+            self.post_ffn_norm = RMSNorm(a.dim, a.norm_eps, offset)
+        else:
+            self.post_attention_norm = self.post_ffn_norm = nn.Identity()
 
     def forward(self, x, cos, sin, mask, k_cache, v_cache, slots, pos) -> torch.Tensor:  # [B, T, C]
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask, k_cache, v_cache, slots, pos)
-        return x + self.feed_forward(self.ffn_norm(x))
+        y = self.attention(self.attention_norm(x), cos, sin, mask, k_cache, v_cache, slots, pos)
+        x = x + self.post_attention_norm(y)
+        return x + self.post_ffn_norm(self.feed_forward(self.ffn_norm(x)))
 
 
 class Transformer(nn.Module):
@@ -267,8 +322,17 @@ class Transformer(nn.Module):
         # `_weight` skips the random init (normal_ on the meta device costs seconds of first-time imports).
         self.tok_embeddings = nn.Embedding(a.vocab_size, a.dim, _weight=torch.empty(a.vocab_size, a.dim))
         self.layers = nn.ModuleList(Block(a) for _ in range(a.n_layers))
-        self.norm = RMSNorm(a.dim, a.norm_eps)
+        self.norm = RMSNorm(a.dim, a.norm_eps, a.family.unit_offset_norm)
         self.output = nn.Linear(a.dim, a.vocab_size, bias=False)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B, T, C]
+        x = self.tok_embeddings(tokens)
+        if self.args.family.embed_scale:  # HF rounds the scale to the model dtype first
+            x = x * torch.tensor(self.args.dim**0.5, dtype=x.dtype)
+        return x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:  # [B, T, C] final hidden states -> [B, T, V] float32
+        return soft_cap(linear(self.output, self.norm(x)), self.args.final_softcap).float()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -294,13 +358,29 @@ HF_TO_LOCAL: dict[str, str] = {
     "model.layers.{i}.mlp.gate_proj.bias": "layers.{i}.feed_forward.w1.bias",
     "model.layers.{i}.mlp.up_proj.bias": "layers.{i}.feed_forward.w3.bias",
     "model.layers.{i}.mlp.down_proj.bias": "layers.{i}.feed_forward.w2.bias",
+    "model.layers.{i}.self_attn.q_norm.weight": "layers.{i}.attention.q_norm.weight",
+    "model.layers.{i}.self_attn.k_norm.weight": "layers.{i}.attention.k_norm.weight",
 }
-_HF_PATTERNS = [(re.compile("^" + re.escape(k).replace(r"\{i\}", r"(\d+)") + "$"), v) for k, v in HF_TO_LOCAL.items()]
+# Families with `sandwich_norms` (Gemma) name their four norms differently: post_attention_layernorm is the norm
+# after attention, pre_feedforward_layernorm the one before the MLP.
+SANDWICH_HF_TO_LOCAL: dict[str, str] = {
+    **HF_TO_LOCAL,
+    "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.post_attention_norm.weight",
+    "model.layers.{i}.pre_feedforward_layernorm.weight": "layers.{i}.ffn_norm.weight",
+    "model.layers.{i}.post_feedforward_layernorm.weight": "layers.{i}.post_ffn_norm.weight",
+}
 
 
-def hf_to_local(name: str) -> str | None:
+def _patterns(table: dict[str, str]) -> list[tuple[re.Pattern, str]]:
+    return [(re.compile("^" + re.escape(k).replace(r"\{i\}", r"(\d+)") + "$"), v) for k, v in table.items()]
+
+
+_HF_PATTERNS = {False: _patterns(HF_TO_LOCAL), True: _patterns(SANDWICH_HF_TO_LOCAL)}
+
+
+def hf_to_local(name: str, family: Family = Family()) -> str | None:
     """Module parameter name for an HF tensor name, or None for tensors the runner does not use."""
-    for pattern, local in _HF_PATTERNS:
+    for pattern, local in _HF_PATTERNS[family.sandwich_norms]:
         m = pattern.match(name)
         if m:
             return local.format(i=m.group(1)) if m.groups() else local
@@ -320,7 +400,7 @@ def load_transformer(
     for file in safetensors_files(Path(path)):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                local = hf_to_local(name)
+                local = hf_to_local(name, args.family)
                 if local is None or local not in expected:
                     continue  # e.g. rotary_emb.inv_freq, or lm_head.weight of a tied model
                 tensor = f.get_tensor(name)
@@ -361,11 +441,15 @@ class LlamaCausalLM:
         p = model.tok_embeddings.weight
         self.device, self.dtype = p.device, p.dtype
         self.inv_freq = rope_inv_freq(self.args.head_dim, self.args.rope_theta, self.args.rope_scaling).to(self.device)
+        # The sliding layers' own RoPE frequencies (Gemma 3), or None: every layer rotates by `inv_freq`.
+        theta = self.args.local_rope_theta
+        self.local_inv_freq = None if theta is None else rope_inv_freq(self.args.head_dim, theta, None).to(self.device)
         self.k_caches: list[torch.Tensor] = []  # per layer [num_slots, Hkv, max_len, D]
         self.v_caches: list[torch.Tensor] = []
         self._num_slots = 0
         self._max_len = 0
         self._cos = self._sin = torch.empty(0)
+        self._local_cos = self._local_sin = torch.empty(0)
 
     @property
     def num_slots(self) -> int:
@@ -385,10 +469,15 @@ class LlamaCausalLM:
             self.k_caches.append(torch.zeros(shape, device=self.device, dtype=self.dtype))
             self.v_caches.append(torch.zeros(shape, device=self.device, dtype=self.dtype))
         self._num_slots, self._max_len = num_slots, max_len
-        # RoPE tables, computed exactly as HF does (float32 outer product, cos/sin, cast to the model dtype).
-        freqs = torch.arange(max_len, device=self.device).float()[:, None] * self.inv_freq[None, :]  # [L, D/2]
+        self._cos, self._sin = self._rope_table(self.inv_freq, max_len)
+        if self.local_inv_freq is not None:
+            self._local_cos, self._local_sin = self._rope_table(self.local_inv_freq, max_len)
+
+    def _rope_table(self, inv_freq: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [max_len, D], computed exactly as HF does (float32 outer product, cos/sin, cast to the dtype)."""
+        freqs = torch.arange(max_len, device=self.device).float()[:, None] * inv_freq[None, :]  # [L, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [L, D]
-        self._cos, self._sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k_caches + self.v_caches)
@@ -413,20 +502,24 @@ class LlamaCausalLM:
         assert kv_len <= self._max_len, f"positions + T = {kv_len} exceeds max_len {self._max_len}"
         tokens, positions, slots = (t.to(self.device) for t in (tokens, positions, slots))
 
+        a = self.args
         pos = positions[:, None] + torch.arange(T, device=self.device)  # [B, T]
-        cos = self._cos[pos].unsqueeze(2)  # [B, T, 1, D]
-        sin = self._sin[pos].unsqueeze(2)  # [B, T, 1, D]
+        rope = (self._cos[pos].unsqueeze(2), self._sin[pos].unsqueeze(2))  # cos, sin [B, T, 1, D]
+        local_rope = rope
+        if self.local_inv_freq is not None:
+            local_rope = (self._local_cos[pos].unsqueeze(2), self._local_sin[pos].unsqueeze(2))
         key_pos = torch.arange(kv_len, device=self.device)  # [S]
-        mask = key_pos[None, None, :] <= pos[:, :, None]  # [B, T, S]
-        if self.args.sliding_window is not None:
-            mask &= key_pos[None, None, :] > pos[:, :, None] - self.args.sliding_window
-        mask = mask[:, None]  # [B, 1, T, S]
+        causal = key_pos[None, None, :] <= pos[:, :, None]  # [B, T, S]
+        masks: dict[int | None, torch.Tensor] = {}  # window -> [B, 1, T, S] bool, True = attend
+        for window in {a.window(i) for i in range(a.n_layers)}:
+            mask = causal if window is None else causal & (key_pos[None, None, :] > pos[:, :, None] - window)
+            masks[window] = mask[:, None]
 
-        x = self.model.tok_embeddings(tokens)  # [B, T, C]
-        for layer, k_cache, v_cache in zip(self.model.layers, self.k_caches, self.v_caches):
-            x = layer(x, cos, sin, mask, k_cache, v_cache, slots, pos)
-        x = self.model.norm(x[:, logits_from:])  # [B, T', C]
-        return linear(self.model.output, x).float()  # [B, T', V]
+        x = self.model.embed(tokens)  # [B, T, C]
+        for i, (layer, k_cache, v_cache) in enumerate(zip(self.model.layers, self.k_caches, self.v_caches)):
+            cos, sin = local_rope if a.local_rope(i) else rope
+            x = layer(x, cos, sin, masks[a.window(i)], k_cache, v_cache, slots, pos)
+        return self.model.logits(x[:, logits_from:])  # [B, T', V]
 
     __call__ = forward
 

@@ -1,7 +1,8 @@
 """`load_model`: a model folder (or .gguf file, or the demo name) -> a `CausalLM` runner and its tokenizer.
 
-The Llama-family fast path (`llama.py`) is picked when the config's model_type is llama/mistral/qwen2 and
-every feature it uses is supported; anything else runs on the generic HF runner (`hf_generic.py`).
+The fast path (`llama.py`) is picked when the config's model_type is one of its families (`families.py`: Llama,
+Mistral, Qwen2/3, Gemma 2, Gemma 3 text) and every feature it uses is supported; anything else runs on the generic
+HF runner (`hf_generic.py`). `runner_choice` says which, and why, in one line (logged; the CLI prints it).
 """
 
 from __future__ import annotations
@@ -71,13 +72,12 @@ def load_model(
     config_dict = json.loads((folder / "config.json").read_text())
     tokenizer = load_tokenizer(folder)
 
-    from pipeline.models.llama import FAST_PATH_MODEL_TYPES, unsupported_reason
-
-    reason = unsupported_reason(config_dict)
-    if reason is None and not any(folder.glob("*.safetensors")):
-        reason = "no *.safetensors weights"
-    if config_dict.get("model_type") in FAST_PATH_MODEL_TYPES and reason is not None:
-        log.warning("%s: Llama fast path not usable (%s); using the generic HF runner", folder.name, reason)
+    reason = _fast_path_reason(folder, config_dict)
+    line = _choice_line(folder, config_dict, reason, device)
+    if reason is not None and config_dict.get("model_type") in _fast_path_types():
+        log.warning("%s", line)  # a fast-path family that falls back: worth a warning
+    else:
+        log.info("%s", line)
 
     if reason is None:
         from pipeline.models.llama import LlamaCausalLM, load_transformer
@@ -126,6 +126,44 @@ def load_model(
     log.info("loaded %s (%s, %.1fM params, %s, fast_path=%s)", info.name, info.architecture,
              info.num_parameters / 1e6, torch_dtype, info.fast_path)
     return runner, tokenizer
+
+
+def _fast_path_types() -> frozenset[str]:
+    from pipeline.models.llama import FAST_PATH_MODEL_TYPES
+
+    return FAST_PATH_MODEL_TYPES
+
+
+def _fast_path_reason(folder: Path, config: dict[str, Any]) -> str | None:
+    """None when the fast path loads this folder, else why not."""
+    from pipeline.models.llama import unsupported_reason
+
+    reason = unsupported_reason(config)
+    if reason is None and not any(folder.glob("*.safetensors")):
+        reason = "no *.safetensors weights"
+    return reason
+
+
+def _choice_line(folder: Path, config: dict[str, Any], reason: str | None, device: str | torch.device) -> str:
+    model_type = config.get("model_type")
+    if reason is not None:
+        return f"{folder.name}: generic HF runner, not the fast path: {reason}"
+    line = f"{folder.name}: fast path (model_type {model_type!r})"
+    if torch.device(device).type == "cuda":
+        from pipeline.models.graphs import graph_path_reason
+        from pipeline.models.llama import LlamaArgs
+
+        graphs = graph_path_reason(LlamaArgs.from_hf(config))
+        line += "; CUDA graph path" if graphs is None else f"; eager on CUDA, {graphs}"
+    return line
+
+
+def runner_choice(path: str | Path | None, device: str | torch.device = "cpu") -> str:
+    """One line naming the runner `load_model(path, device)` picks (fast path, with or without CUDA graphs, or the
+    generic HF runner) and why. Reads config.json only."""
+    folder = model_folder(path)
+    config = json.loads((folder / "config.json").read_text())
+    return _choice_line(folder, config, _fast_path_reason(folder, config), device)
 
 
 def eos_token_ids(folder: Path, config: dict[str, Any], tokenizer: Any = None) -> tuple[int, ...]:

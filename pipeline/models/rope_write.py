@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.models.decode_attention import _pow2
-from pipeline.models.llama import apply_rope
+from pipeline.models.llama import apply_rope, rms_norm
 
 
 def rope_split(
@@ -24,14 +24,21 @@ def rope_split(
     sin: torch.Tensor,
     n_heads: int,
     n_kv_heads: int,
+    q_norm: torch.Tensor | None = None,  # [D]: RMSNorm weight over each query head before RoPE (Qwen3); None: none
+    k_norm: torch.Tensor | None = None,  # [D]: the same for the keys
+    eps: float = 0.0,  # the q/k norms' epsilon
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [B, Hkv, G*T, D]; k, v [B*T*Hkv, D]
-    """Split the fused projection, rotate q and k, stack the queries per KV head (pure: no cache write)."""
+    """Split the fused projection, (norm and) rotate q and k, stack the queries per KV head (pure: no cache
+    write)."""
     B, T, _ = qkv.shape
     D = cos.shape[-1]
     G = n_heads // n_kv_heads
     q, k, v = qkv.split([n_heads * D, n_kv_heads * D, n_kv_heads * D], dim=-1)
-    q = apply_rope(q.reshape(B, T, n_heads, D), cos, sin)  # [B, T, H, D]; head h = j*G + g
-    k = apply_rope(k.reshape(B, T, n_kv_heads, D), cos, sin)  # [B, T, Hkv, D]
+    q, k = q.reshape(B, T, n_heads, D), k.reshape(B, T, n_kv_heads, D)  # head h = j*G + g
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    q = apply_rope(q, cos, sin)  # [B, T, H, D]
+    k = apply_rope(k, cos, sin)  # [B, T, Hkv, D]
     q = q.view(B, T, n_kv_heads, G, D).permute(0, 2, 3, 1, 4).reshape(B, n_kv_heads, G * T, D)
     return q, k.reshape(B * T * n_kv_heads, D), v.reshape(B * T * n_kv_heads, D)
 

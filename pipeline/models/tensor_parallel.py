@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.models.base import ModelInfo, warmup
+from pipeline.models.families import Family
 from pipeline.models.llama import LlamaArgs, LlamaCausalLM, Transformer, hf_to_local, safetensors_files
 
 log = logging.getLogger(__name__)
@@ -301,16 +302,16 @@ def build_sharded_transformer(
     return model.eval().requires_grad_(False)
 
 
-def safetensors_source(folder: Path, stats: Optional[dict] = None) -> TensorSource:
+def safetensors_source(folder: Path, stats: Optional[dict] = None, family: Family = Family()) -> TensorSource:
     """Reads only the requested slice of each tensor (`safe_open(...).get_slice`). `stats["elements"]`
-    counts the elements read."""
+    counts the elements read. `family`: the model's (it names some tensors its own way)."""
     from safetensors import safe_open
 
     where: dict[str, tuple[Path, str]] = {}  # local name -> (file, HF name)
     for file in safetensors_files(folder):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for hf_name in f.keys():
-                local = hf_to_local(hf_name)
+                local = hf_to_local(hf_name, family)
                 if local is not None:
                     where[local] = (file, hf_name)
 
@@ -343,6 +344,7 @@ def num_parameters(args: LlamaArgs) -> int:
     q, kv = args.n_heads * D, args.n_kv_heads * D
     layer = C * (q + 2 * kv) + q * C + 3 * C * I + 2 * C
     layer += (q + 2 * kv) * args.qkv_bias + C * args.o_bias + (2 * I + C) * args.mlp_bias
+    layer += 2 * D * args.family.qk_norm + 2 * C * args.family.sandwich_norms
     return args.n_layers * layer + C + args.vocab_size * C * (1 if args.tie_embeddings else 2)
 
 
@@ -402,8 +404,8 @@ def load_tensor_parallel_model(
     if replicate_embedding is None:
         replicate_embedding = torch.device(tp.device).type == "cuda"
     plan = make_plan(args, tp.rank, tp.world_size, replicate_embedding)
-    model = build_sharded_transformer(args, plan, tp.group, safetensors_source(folder, stats), tp.device,
-                                      parse_dtype(dtype))
+    model = build_sharded_transformer(args, plan, tp.group, safetensors_source(folder, stats, args.family),
+                                      tp.device, parse_dtype(dtype))
     tokenizer = load_tokenizer(folder) if tp.rank == 0 else None  # its EOS id joins info.eos_token_ids
     info = ModelInfo(
         name=folder.name, path=str(folder), vocab_size=args.vocab_size,
@@ -604,9 +606,15 @@ def tensor_parallel_graphs(runner: LlamaCausalLM, config: Any = None, allreduce:
     up), else the reducer's own "auto" (symm, else nccl). Its static logits come from the local output rows;
     they are gathered here, after the graph (one all_gather per call, straight from the graph's output; the eager
     fallback's output module gathers its own). A vocabulary-parallel embedding does its own all_reduce inside
-    the graph; a replicated one (the default on GPUs) needs none."""
+    the graph; a replicated one (the default on GPUs) needs none. A model whose family the graph path lacks
+    (`graphs.graph_path_reason`) stays the eager sharded runner, said once, on every rank alike."""
     from pipeline.models import fused_linear as fl
     from pipeline.models import graphs
+
+    reason = graphs.graph_path_reason(runner.model.args)
+    if reason is not None:
+        log.warning("%s: tensor-parallel eager fast path, no static-shape graphs (%s)", runner.info.name, reason)
+        return runner
     from pipeline.models.skinny_linear import linear
     from pipeline.models.tp_allreduce import ALLREDUCE_KINDS, make_reducer
     from pipeline.models.tp_fused import setup_fused_allreduce
