@@ -37,7 +37,7 @@ def demo_path():
 
 
 # `make test` runs the suite on two pytest-xdist workers (`-n 2`). Tests that start servers run in one of two groups,
-# each on one worker, in file order (the scheduler below); everything else is spread over both workers.
+# each on one worker, in file order (the scheduler below); every other module runs whole on either worker.
 # - RAY_SESSION: the `ray up` cluster tests first (they launch a cluster of their own and time its autoscaling, so
 #   they go before this worker starts the session's local Ray), then every test on that local Ray and Serve
 #   (tests/support/serve.py), which stays up until the worker ends.
@@ -64,14 +64,15 @@ def _module(nodeid: str) -> str:
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's scope scheduling with the two groups above as scopes (and each other test its own): a scope runs
-    whole, in order, on one worker; the largest go out first."""
+    """xdist's scope scheduling with the two groups above as scopes, and each other module its own (so a module's
+    fixtures, such as the Triton interpreter runs, are built once): a scope runs whole, in order, on one worker;
+    the largest go out first."""
     from xdist.scheduler import LoadScopeScheduling
 
     class GroupScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = _module(nodeid)
-            return "ray-session" if module in RAY_SESSION else "own-servers" if module in OWN_SERVERS else nodeid
+            return "ray-session" if module in RAY_SESSION else "own-servers" if module in OWN_SERVERS else module
 
     return GroupScheduling(config, log)
 
