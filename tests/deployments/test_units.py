@@ -343,22 +343,25 @@ def test_step_batcher_batches_concurrent_calls_and_bounds_prefills_per_pass():
         cost: int
 
     passes: list[list[str]] = []
-    gate = threading.Event()
+    started, gate = threading.Event(), threading.Event()
 
     def run(rows):
-        gate.wait(5)  # the first pass blocks until every call below is queued
+        started.set()
+        gate.wait(30)  # the first pass blocks until every call below is queued
         passes.append([r.name for r in rows])
         return [r.name.upper() for r in rows]
 
     async def scenario():
         b = StepBatcher(run, max_batch=8, wait_ms=0, token_budget=1000)
         first = asyncio.ensure_future(b.submit("a", Row("a", 5)))
-        await asyncio.sleep(0.05)  # pass 1 = [a] is running; the rest queue up behind it
+        while not started.is_set():  # pass 1 = [a] is running; the rest queue up behind it
+            await asyncio.sleep(0.01)
         calls = [b.submit("p1", Row("p1", 800)), b.submit("p2", Row("p2", 900)), b.submit("d1", Row("d1", 5)),
                  b.submit("a", Row("a2", 5)), b.submit("d2", Row("d2", 5))]
         tasks = [asyncio.ensure_future(c) for c in calls]
         cancelled = asyncio.ensure_future(b.submit("x", Row("x", 5)))
-        await asyncio.sleep(0.05)
+        for _ in range(5):  # every task reaches its place in the queue (event-loop turns, not wall time)
+            await asyncio.sleep(0)
         cancelled.cancel()
         gate.set()
         return await first, await asyncio.gather(*tasks)
