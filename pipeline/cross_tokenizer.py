@@ -182,6 +182,10 @@ class CrossTokenizerDrafter:
     def model(self):
         return self.drafter.model
 
+    @property
+    def device(self) -> torch.device:
+        return self.drafter.device
+
     # -- per request ----------------------------------------------------------------------------------------
     def _row(self, request_id: str, context: Sequence[int]) -> _Row:
         ctx = _as_list(context)

@@ -298,3 +298,22 @@ def test_point_mass_drafts_follow_the_target_at_t07_and_a_wrong_claim_does_not(c
         assert 0.05 < num_accepted.float().mean() / K < 0.95
     else:
         assert min(pvalues) < 1e-6, f"a drafter claiming its own probabilities passed: {pvalues}"
+
+
+def test_a_serve_drafter_worker_drafts_through_text(pair, toks):
+    """The drafter replica's worker (constructed here without Ray; `_run_batch` is its batch, run inline) wraps a
+    draft model of another tokenizer and answers in the target's tokens, as point masses."""
+    from deployments.drafter_replica import DrafterWorker
+    from deployments.messages import ProposeCall
+
+    target, draft = pair
+    target_tok, _ = toks
+    worker = DrafterWorker(str(draft), max_batch_size=2, max_seq_len=256, target=str(target))
+    assert isinstance(worker.drafter, CrossTokenizerDrafter)
+    context = _enc(target_tok, "The drafter proposes and the target verifies")
+    params = SamplingParams(seed=3)
+    [got] = worker._run_batch([ProposeCall("r", 0, context, 4, params, 0, 8)])
+    assert len(got.tokens) <= 4 and all(0 <= t < len(target_tok) for t in got.tokens)
+    assert got.top_probs is None or (got.top_probs[:, 0] == 1).all()
+    plain = DrafterWorker(str(draft), max_batch_size=2, max_seq_len=256, target=str(draft))  # same tokenizer
+    assert not isinstance(plain.drafter, CrossTokenizerDrafter)
