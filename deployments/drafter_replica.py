@@ -66,7 +66,7 @@ class DrafterWorker:
             self.drafter: ModelDrafter | CrossTokenizerDrafter = synthetic
         else:
             self.drafter = ModelDrafter(runner)
-            target_tok = load_tokenizer(str(resolve(target))) if target is not None else None
+            target_tok = load_tokenizer(str(resolve(target))) if target is not None and draft_tok is not None else None
             if target_tok is not None and draft_tok is not None and not same_vocabulary(target_tok, draft_tok):
                 problem = cross_tokenizer_problem(target_tok, draft_tok)
                 if problem is not None:

@@ -199,9 +199,16 @@ class CrossTokenizerDrafter:
         row.draft_ctx = row.draft.encode(row.target.text)
         return row
 
+    def _fits(self, row: _Row, num_draft: int) -> bool:
+        """Whether the draft model's cache holds the row's context in its tokens plus the drafts (a tokenizer with
+        more tokens per text than the target's fills it sooner; such a row stops drafting, it never fails)."""
+        max_len = getattr(self.drafter.model, "max_len", None)
+        return bool(row.draft_ctx) and (not max_len or len(row.draft_ctx) + num_draft + 1 <= max_len)
+
     def admit(self, request_id: str, context: Sequence[int]) -> None:
         row = self._row(request_id, context)
-        self.drafter.admit(request_id, row.draft_ctx)
+        if self._fits(row, 0):
+            self.drafter.admit(request_id, row.draft_ctx)
 
     def release(self, request_id: str) -> None:
         self._rows.pop(request_id, None)
@@ -215,7 +222,7 @@ class CrossTokenizerDrafter:
             if not r.num_draft:
                 continue
             row = self._row(r.request_id, r.context)
-            if row.draft_ctx:
+            if self._fits(row, r.num_draft + self.extra):
                 idx.append(b)
                 sub.append(ProposeRow(r.request_id, row.draft_ctx, r.num_draft + self.extra))
         if sub:
@@ -223,8 +230,9 @@ class CrossTokenizerDrafter:
             block = self.drafter.propose(sub, max(s.num_draft for s in sub), sampling.select(idx),
                                          steps[sel.to(steps.device)], draft_top_k)
             proposed = block.token_ids.tolist()  # one device-to-host copy
-            for j, b in enumerate(idx):
-                found[b] = self.to_target(self._rows[rows[b].request_id], proposed[j], rows[b].num_draft)
+            for j, b in enumerate(idx):  # each row's own K' only: its drafts never depend on the batch
+                found[b] = self.to_target(self._rows[rows[b].request_id], proposed[j][: sub[j].num_draft],
+                                          rows[b].num_draft)
         tokens = _padded(found, k)  # [B, k]
         counts = torch.tensor([len(f) for f in found], dtype=torch.int64)
         # Point masses: the drafter's probabilities are over its own vocabulary.

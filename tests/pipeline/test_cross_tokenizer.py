@@ -249,7 +249,7 @@ def test_greedy_equals_the_targets_greedy_token_for_token(pair, draft_word):
     assert isinstance(spec.drafter, (CrossTokenizerDrafter, HybridDrafter))
     prompts = ["The target verifies what the drafter proposes, and the drafter",
                "def step(batch):\n    return verify(batch)  # caf\u00e9"]
-    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
     want = plain.generate_batch(prompts, params)
     got = spec.generate_batch(prompts, params, SpecParams(num_draft_tokens=4))
     for w, g in zip(want, got):
@@ -262,10 +262,44 @@ def test_sampled_rows_replay_and_stay_exact_in_form(pair):
     target, draft = pair
     engine = SpeculativeEngine.from_pretrained(str(target), str(draft), EngineConfig(max_batch_size=2,
                                                                                      max_seq_len=256))
-    params = SamplingParams(temperature=0.7, seed=11, max_tokens=32, ignore_eos=True)
+    params = SamplingParams(temperature=0.7, seed=11, max_tokens=16, ignore_eos=True)
     first = engine.generate("The drafter proposes", params, SpecParams(num_draft_tokens=3))
     again = engine.generate("The drafter proposes", params, SpecParams(num_draft_tokens=3))
-    assert first.token_ids == again.token_ids and len(first.token_ids) == 32
+    assert first.token_ids == again.token_ids and len(first.token_ids) == 16
+
+
+class _Oracle(_Scripted):
+    """A draft model that knows the text the target will write: it proposes that text's continuation after its
+    context, in the drafter's tokens."""
+
+    def __init__(self, draft_tok, text: str) -> None:
+        super().__init__([])
+        self.draft_tok, self.text = draft_tok, text
+
+    def propose(self, rows, k, sampling, steps, draft_top_k) -> DraftBlock:
+        out = []
+        for r in rows:
+            seen = self.draft_tok.decode(list(r.context), skip_special_tokens=True)
+            ids = _enc(self.draft_tok, self.text[len(seen):]) if self.text.startswith(seen) else []
+            out.append(ids[:k] + [0] * (k - len(ids[:k])))
+        return DraftBlock(torch.tensor(out, dtype=torch.int64), torch.tensor([r.num_draft for r in rows]))
+
+
+def test_drafts_of_the_targets_own_text_are_accepted_token_for_token(pair, toks):
+    """With a drafter that proposes the target's own greedy text, the conversions put it back into the target's
+    tokens: drafts are accepted, and the output is still the target's, token for token."""
+    target, _ = pair
+    target_tok, draft_tok = toks
+    model, _ = load_model(target)
+    config = EngineConfig(max_batch_size=1, max_seq_len=256)
+    prompt = "The target verifies what the drafter proposes, and"
+    params = SamplingParams(max_tokens=24)
+    want = SpeculativeEngine(model, target_tok, None, config).generate(prompt, params)
+    oracle = _Oracle(draft_tok, target_tok.decode(_enc(target_tok, prompt) + want.token_ids, skip_special_tokens=True))
+    engine = SpeculativeEngine(model, target_tok, CrossTokenizerDrafter(oracle, target_tok, draft_tok), config)
+    got = engine.generate(prompt, params, SpecParams(num_draft_tokens=4))
+    assert got.token_ids == want.token_ids
+    assert got.stats["accepted"] > 0, got.stats
 
 
 def _point_mass_passes(target_probs: torch.Tensor, draft_probs: torch.Tensor, n: int, claimed: str):
