@@ -1,4 +1,5 @@
-"""Drafter replicas: a Serve host plus a worker actor holding a drafter (`pipeline.drafters.ModelDrafter`).
+"""Drafter replicas: a Serve host plus a worker actor holding a drafter (`pipeline.drafters.ModelDrafter`; for a draft
+model of another tokenizer than the target's, `pipeline.cross_tokenizer.CrossTokenizerDrafter` around it).
 
 Context protocol, per request: the worker mirrors the request's context. A call names `base`, a length of
 context the worker already holds, and sends only `new = context[base:]` (a few ids per step instead of
@@ -26,11 +27,13 @@ from deployments.batching import StepBatcher
 from deployments.config import DRAFTER, AppConfig
 from deployments.messages import ProposeCall
 from deployments.workers import CACHE_MISS, ModelHost, kv_slots, spawn_workers, warm_up
+from pipeline.compat import IncompatibleDrafter
 from pipeline.config import is_synthetic
+from pipeline.cross_tokenizer import CrossTokenizerDrafter, cross_tokenizer_problem, same_vocabulary
 from pipeline.drafters import ModelDrafter, ProposeRow
 from pipeline.models.graphs import graphs_on_cuda
-from pipeline.models.loader import load_model
-from pipeline.models.store import resolve
+from pipeline.models.loader import load_model, load_tokenizer
+from pipeline.models.store import DEMO_TARGET, resolve
 from pipeline.sampling import SamplingTensors
 from pipeline.step import CACHE_SLACK, Draft, catch_up, propose
 from pipeline.synthetic import SyntheticDrafter
@@ -45,13 +48,14 @@ class DrafterWorker:
         self, model: str, max_batch_size: int, max_seq_len: int, device: str = "cpu",
         dtype: str = "float32", torch_threads: int = 1, batch_wait_ms: float = 0.0,
         rank: int = 0, world_size: int = 1, kv_cache_gb: Optional[float] = None, kv_cache_fraction: float = 0.9,
+        target: Optional[str] = None,  # the target model: a draft model of another tokenizer drafts through text
     ) -> None:
         torch.set_num_threads(torch_threads)
         if is_synthetic(model):  # a measurement aid: a random-weight model of a shape, the recorded continuation
             synthetic = SyntheticDrafter.from_spec(model, device=device, dtype=dtype)
             runner = synthetic.model
         else:
-            runner, _ = load_model(str(resolve(model)), device=device, dtype=dtype)
+            runner, draft_tok = load_model(str(resolve(model)), device=device, dtype=dtype)
         runner = graphs_on_cuda(runner)  # CUDA: captured decode steps; CPU unchanged
         num_slots = kv_slots(runner, device, kv_cache_gb, kv_cache_fraction, max_seq_len + CACHE_SLACK,
                              max_batch_size, "drafter")
@@ -59,9 +63,17 @@ class DrafterWorker:
         warm_up(runner, num_slots, "drafter")
         if is_synthetic(model):
             synthetic.model = runner
-            self.drafter: ModelDrafter = synthetic
+            self.drafter: ModelDrafter | CrossTokenizerDrafter = synthetic
         else:
             self.drafter = ModelDrafter(runner)
+            target_tok = load_tokenizer(str(resolve(target))) if target is not None and draft_tok is not None else None
+            if target_tok is not None and draft_tok is not None and not same_vocabulary(target_tok, draft_tok):
+                problem = cross_tokenizer_problem(target_tok, draft_tok)
+                if problem is not None:
+                    raise IncompatibleDrafter(f"draft model {model} has another tokenizer than the target and cannot "
+                                              f"draft through text: {problem}")
+                logger.info("drafter %s: another tokenizer than the target's; drafting through text", model)
+                self.drafter = CrossTokenizerDrafter(self.drafter, target_tok, draft_tok)
         self._ctx: dict[str, list[int]] = {}
         # Admission is never refused here (max_waiting: every request that holds a target slot may queue).
         self.slots = SlotQueue(num_slots, max_waiting=1 << 30, on_free=self._free_later,
@@ -155,7 +167,7 @@ class DrafterServer(ModelHost):
             DrafterWorker, DRAFTER, d.resources, 1,
             model=d.model, max_batch_size=d.max_batch_size, max_seq_len=cfg.target.max_seq_len,
             device=d.device, dtype=d.dtype, torch_threads=d.resources.torch_threads, batch_wait_ms=d.batch_wait_ms,
-            kv_cache_gb=d.kv_cache_gb, kv_cache_fraction=d.kv_cache_fraction,
+            kv_cache_gb=d.kv_cache_gb, kv_cache_fraction=d.kv_cache_fraction, target=cfg.target.model or DEMO_TARGET,
         )
         self._info = await self.workers[0].info.remote()
 

@@ -2,19 +2,21 @@
 
 - `ModelDrafter`: a separate causal LM with the target's vocabulary, with its own slot-indexed KV cache.
   It ships the sparse (top-k) distribution it actually sampled from, so verification stays exact.
+- `CrossTokenizerDrafter` (pipeline.cross_tokenizer): a draft model of another vocabulary, through text.
 - `PromptLookupDrafter`: n-gram match in the context (Saxena 2023, "Prompt Lookup Decoding"); no model,
   no probabilities (the verifier treats its drafts as point masses).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import numpy as np
 import torch
 
-from pipeline.compat import check_compatible
+from pipeline.compat import IncompatibleDrafter, check_compatible
 from pipeline.config import (  # noqa: F401 - draft_model_spec: re-exported
     HYBRID_PREFIX,
     NO_DRAFT,
@@ -29,6 +31,8 @@ from pipeline.rejection import DraftBlock
 from pipeline.rng import Stream, uniform
 from pipeline.sampling import SamplingTensors, sample_from_probs, warp
 from pipeline.sequence import TokenView
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -369,7 +373,9 @@ def build_drafter(spec: str | None, target_info, tokenizer, device: str = "cpu",
     """A drafter from its spec (the drafter vocabulary of pipeline.config): None or "none" (no speculation),
     "prompt-lookup", a draft model (folder, .gguf or store name), "lookup+MODEL" (`HybridDrafter`), or
     "synthetic:ALPHA:SHAPE:RECORDING" (`pipeline.synthetic.SyntheticDrafter`, a measurement aid). A draft model
-    must pass the compatibility check against the target (`pipeline.compat.check_compatible`)."""
+    of the target's vocabulary passes the compatibility check (`pipeline.compat.check_compatible`); one of another
+    vocabulary drafts through text (`pipeline.cross_tokenizer.CrossTokenizerDrafter`, logged) unless
+    `cross_tokenizer_problem` says why it cannot, which is then refused with that reason."""
     if spec is None or spec == NO_DRAFT:
         return None
     if spec == PROMPT_LOOKUP:
@@ -381,5 +387,15 @@ def build_drafter(spec: str | None, target_info, tokenizer, device: str = "cpu",
 
         return SyntheticDrafter.from_spec(spec, device, dtype)
     draft_model, draft_tok = load_model(str(resolve(spec)), device=device, dtype=dtype)
-    check_compatible(target_info, tokenizer, draft_model.info, draft_tok)
+    try:
+        check_compatible(target_info, tokenizer, draft_model.info, draft_tok)
+    except IncompatibleDrafter as err:  # another vocabulary: draft through text where that can work
+        from pipeline.cross_tokenizer import CrossTokenizerDrafter, cross_tokenizer_problem
+
+        problem = cross_tokenizer_problem(tokenizer, draft_tok)
+        if problem is not None:
+            raise IncompatibleDrafter(f"{err}; it cannot draft through text either: {problem}") from None
+        log.info("drafter %s: its vocabulary differs from target %s's; drafting through text (point-mass drafts)",
+                 draft_model.info.name, target_info.name)
+        return CrossTokenizerDrafter(ModelDrafter(draft_model), tokenizer, draft_tok)
     return ModelDrafter(draft_model)

@@ -22,6 +22,7 @@ import torch
 
 from pipeline.adaptive import AdaptiveK
 from pipeline.config import DEFAULT_DRAFT, HYBRID_PREFIX, PROMPT_LOOKUP, EngineConfig, SamplingParams, SpecParams
+from pipeline.cross_tokenizer import CrossTokenizerDrafter
 from pipeline.drafters import Drafter, HybridDrafter, ModelDrafter, ProposeRow, build_drafter
 from pipeline.models.base import CausalLM, warmup
 from pipeline.models.graphs import GraphConfig, graphs_on_cuda
@@ -328,9 +329,12 @@ class SpeculativeEngine:
 
 
 def _model_drafter(drafter: Drafter | None) -> ModelDrafter | None:
-    """The draft model's drafter inside `drafter` (itself, or a hybrid's model part), if any."""
+    """The draft model's drafter inside `drafter` (itself, a hybrid's model part, a cross-tokenizer drafter's), if
+    any."""
     if isinstance(drafter, HybridDrafter):
-        return drafter.model
+        drafter = drafter.model
+    if isinstance(drafter, CrossTokenizerDrafter):
+        drafter = drafter.drafter
     return drafter if isinstance(drafter, ModelDrafter) else None
 
 
