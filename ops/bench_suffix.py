@@ -50,7 +50,7 @@ def main() -> int:
     args = p.parse_args()
     import torch
 
-    from pipeline.config import PROMPT_LOOKUP, SUFFIX, SamplingParams, SpecParams
+    from pipeline.config import PROMPT_LOOKUP, SUFFIX, EngineConfig, SamplingParams, SpecParams
     from pipeline.engine import SpeculativeEngine
 
     torch.set_num_threads(args.threads)
@@ -59,7 +59,8 @@ def main() -> int:
     outputs: dict[str, list[list[int]]] = {}
     rows = []
     for draft in (None, PROMPT_LOOKUP, SUFFIX):
-        engine = SpeculativeEngine.from_pretrained(args.target, draft=draft)
+        engine = SpeculativeEngine.from_pretrained(args.target, draft=draft,
+                                                   config=EngineConfig(max_batch_size=1, max_seq_len=1024))
         engine.generate("Hello", SamplingParams(max_tokens=4), chat=True)  # warm up, outside the timing
         passes = tokens = 0
         wall = 0.0
@@ -73,6 +74,7 @@ def main() -> int:
             outs.append(r.token_ids)
         outputs[draft or "none"] = outs
         rows.append((draft or "target only", passes, tokens / passes, tokens / wall))
+        print(f"{rows[-1][0]}: {passes} passes, {tokens} tokens, {wall:.1f} s", file=sys.stderr, flush=True)
     same = all(outputs[d] == outputs["none"] for d in outputs)
     base = rows[0][3]
     print(f"{args.requests} requests, up to {args.max_tokens} tokens, K={args.num_draft_tokens}, greedy, batch 1; "
