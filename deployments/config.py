@@ -31,7 +31,15 @@ from pydantic import (
 )
 
 from pipeline import envs
-from pipeline.config import HYBRID_PREFIX, NO_DRAFT, PROMPT_LOOKUP, draft_model_spec, is_synthetic, parse_synthetic
+from pipeline.config import (
+    HYBRID_PREFIX,
+    NO_DRAFT,
+    PROMPT_LOOKUP,
+    SUFFIX,
+    draft_model_spec,
+    is_synthetic,
+    parse_synthetic,
+)
 
 # Deployment names: fixed, so the coordinator, tests and ops tooling can find replicas and workers.
 INGRESS = "Ingress"
@@ -111,7 +119,9 @@ class DrafterConfig(_Strict):
     draft: str = Field(
         PROMPT_LOOKUP,
         description="What drafts, in the words of the CLI's --draft: 'prompt-lookup' (n-gram copy from the context, "
-        "run inside the coordinator: microseconds, a network hop would cost more than the draft); a draft model "
+        "run inside the coordinator: microseconds, a network hop would cost more than the draft); 'suffix' (suffix "
+        "decoding over the context and the outputs this coordinator replica finished, run inside it: "
+        "pipeline.suffix.SuffixDrafter); a draft model "
         "(folder, .gguf or shipped name, e.g. 'smollm2-135m-distill') on drafter replicas; 'lookup+MODEL' (prompt "
         "lookup where the context repeats an n-gram, the model on drafter replicas elsewhere: "
         "pipeline.drafters.HybridDrafter); 'synthetic:ALPHA:SHAPE:RECORDING' (a measurement aid on drafter replicas: "
@@ -133,8 +143,8 @@ class DrafterConfig(_Strict):
     @classmethod
     def _draft_spec(cls, v: str) -> str:
         if v in ("prompt_lookup", "hybrid", "model", "default", "") or v == HYBRID_PREFIX:
-            raise ValueError(f"drafter.draft={v!r}: use the CLI's words: '{PROMPT_LOOKUP}', a draft model (folder, "
-                             f".gguf or shipped name), '{HYBRID_PREFIX}MODEL' or '{NO_DRAFT}'")
+            raise ValueError(f"drafter.draft={v!r}: use the CLI's words: '{PROMPT_LOOKUP}', '{SUFFIX}', a draft model "
+                             f"(folder, .gguf or shipped name), '{HYBRID_PREFIX}MODEL' or '{NO_DRAFT}'")
         if is_synthetic(v):
             parse_synthetic(v)  # a ValueError names the expected form
         return v
@@ -146,8 +156,8 @@ class DrafterConfig(_Strict):
 
     @property
     def model(self) -> Optional[str]:
-        """The draft model (a hybrid's model part); None for prompt lookup alone or none."""
-        return None if self.draft in (PROMPT_LOOKUP, NO_DRAFT) else draft_model_spec(self.draft)
+        """The draft model (a hybrid's model part); None for prompt lookup alone, suffix or none."""
+        return draft_model_spec(self.draft)
 
     @property
     def uses_model(self) -> bool:

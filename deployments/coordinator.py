@@ -57,7 +57,7 @@ from pipeline.config import SpecParams
 from pipeline.drafters import ProposeRow, lookup_first, lookup_part
 from pipeline.models.loader import load_tokenizer
 from pipeline.sequence import RequestState
-from pipeline.step import Draft, Verdict, commit, draft_budgets, new_k_policy
+from pipeline.step import Draft, Verdict, commit, draft_budgets, new_k_policy, retire
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,9 @@ class Coordinator:
         self.targets = WorkerPool(ctx.app_name, TARGET)
         d = self.cfg.drafter
         self.drafters = WorkerPool(ctx.app_name, DRAFTER) if d.uses_model else None  # the model part, remote
-        self.lookup = lookup_part(d.draft)  # prompt lookup, alone or before the model (hybrid), in-process
+        # Prompt lookup (alone or before the model: hybrid) or suffix decoding, in-process. Suffix decoding's store of
+        # finished outputs is this replica's own (pipeline.suffix says why it is not shared through Redis).
+        self.lookup = lookup_part(d.draft)
         self.owner = f"{ctx.replica_id.unique_id}:{uuid.uuid4().hex[:8]}"
         self.active = 0
         # Abandon tasks (mark a request cancelled, free its slots) run after their stream is gone: the loop keeps
@@ -232,6 +234,8 @@ class Coordinator:
                     if isinstance(run.persist.exception(), NotOwner):
                         raise APIError("this request was taken over by another stream", 409, code="taken_over")
                 queue.put_nowait(await self._step(run, state))
+            if self.lookup is not None:
+                retire(self.lookup, state)  # suffix decoding learns the output; prompt lookup forgets the request
             # The slots are free for the next request now: not when the stream's generator is closed, which Serve may
             # leave to the garbage collector once the ingress has the last event.
             self._release(run, state.request_id)
@@ -313,7 +317,8 @@ class Coordinator:
         """`want` drafts for the request's next step -> (the draft, the drafter's guess of the bonus token or
         None). The hybrid rule (`pipeline.drafters.lookup_first`): prompt lookup first, the model elsewhere."""
         if self.lookup is not None:
-            found, _ = lookup_first(self.lookup, [ProposeRow(state.request_id, state.context_view, want)])
+            row = ProposeRow(state.request_id, state.context_view, want, state.params.greedy)
+            found, _ = lookup_first(self.lookup, [row])
             if found[0] or self.drafters is None:
                 if found[0] and self.drafters is not None:
                     self._drop_predraft(run)  # a pre-draft for this step is not needed

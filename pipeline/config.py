@@ -13,6 +13,7 @@ from typing import Literal
 
 # The drafter vocabulary (CLI --draft, `SpeculativeEngine.from_pretrained(draft=...)`, Serve `drafter.draft`):
 PROMPT_LOOKUP = "prompt-lookup"  # n-gram copy from the context (pipeline.drafters.PromptLookupDrafter)
+SUFFIX = "suffix"  # suffix decoding over the context and earlier outputs (pipeline.suffix.SuffixDrafter)
 HYBRID_PREFIX = "lookup+"  # "lookup+MODEL": prompt lookup where it matches, the model elsewhere (HybridDrafter)
 NO_DRAFT = "none"  # target-only decoding (the Python API says None)
 DEFAULT_DRAFT = "default"  # the target's default drafter (pipeline.engine.default_draft)
@@ -22,9 +23,9 @@ SYNTHETIC_PREFIX = "synthetic:"
 
 
 def draft_model_spec(spec: str) -> str | None:
-    """The draft model a drafter spec names (for a hybrid, its model part); None for prompt lookup or none.
+    """The draft model a drafter spec names (for a hybrid, its model part); None for prompt lookup, suffix or none.
     A synthetic drafter's word is its own model spec (it runs where draft models run)."""
-    if spec in (PROMPT_LOOKUP, NO_DRAFT):
+    if spec in (PROMPT_LOOKUP, SUFFIX, NO_DRAFT):
         return None
     return spec[len(HYBRID_PREFIX):] if spec.startswith(HYBRID_PREFIX) else spec
 

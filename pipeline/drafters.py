@@ -5,6 +5,7 @@
 - `CrossTokenizerDrafter` (pipeline.cross_tokenizer): a draft model of another vocabulary, through text.
 - `PromptLookupDrafter`: n-gram match in the context (Saxena 2023, "Prompt Lookup Decoding"); no model,
   no probabilities (the verifier treats its drafts as point masses).
+- `pipeline.suffix.SuffixDrafter`: suffix decoding over the context and earlier outputs; point masses as well.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pipeline.config import (  # noqa: F401 - draft_model_spec: re-exported
     HYBRID_PREFIX,
     NO_DRAFT,
     PROMPT_LOOKUP,
+    SUFFIX,
     draft_model_spec,
     is_synthetic,
 )
@@ -42,6 +44,9 @@ class ProposeRow:
     request_id: str
     context: Sequence[int]  # all committed tokens (prompt + output); the last one is not yet verified
     num_draft: int  # tokens wanted for this row (0..K)
+    # Whether the row decodes greedily: only then may a drafter use what other requests taught it (a greedy output
+    # is the target's argmax whatever was drafted; a seeded sampled one must not depend on earlier requests).
+    greedy: bool = False
 
 
 class Drafter(Protocol):
@@ -67,7 +72,8 @@ class Drafter(Protocol):
     # Optional, looked up with getattr by `pipeline.step.catch_up` (not every drafter has one): `prepare(rows)`,
     # called before `propose` with the same rows, catches up state that fell behind during steps without drafts.
     # The engine times it apart, so the K policy does not price that one-time cost into K (PromptLookupDrafter,
-    # HybridDrafter).
+    # HybridDrafter). `finish(request_id, output_ids)`, called by `pipeline.step.retire` instead of `release`
+    # when a request ends, lets a drafter learn from the output (SuffixDrafter's cross-request store).
 
 
 class PromptLookupDrafter:
@@ -121,9 +127,7 @@ class PromptLookupDrafter:
                 self.lookup(r.context, 0, key=r.request_id)
 
     def propose(self, rows, k, sampling, steps, draft_top_k) -> DraftBlock:
-        found = self.find(rows)
-        counts = torch.tensor([len(f) for f in found], dtype=torch.int64)
-        return DraftBlock(token_ids=_padded(found, k), num_draft=counts)
+        return point_mass_block(self.find(rows), k)
 
     def find(self, rows: Sequence[ProposeRow]) -> list[list[int]]:
         """Each row's continuation (at most its num_draft tokens; [] where the context offers no match)."""
@@ -131,6 +135,13 @@ class PromptLookupDrafter:
 
     def release(self, request_id: str) -> None:
         self._index.pop(request_id, None)
+
+
+def point_mass_block(found: Sequence[list[int]], k: int) -> DraftBlock:
+    """The block of a model-free drafter: each row's tokens, no probabilities (the verifier takes each draft token
+    as proposed with probability 1, which keeps the output exact at any temperature)."""
+    counts = torch.tensor([len(f) for f in found], dtype=torch.int64)
+    return DraftBlock(token_ids=_padded(found, k), num_draft=counts)
 
 
 def _padded(rows: Sequence[list[int]], width: int) -> torch.Tensor:
@@ -362,24 +373,30 @@ def lookup_first(lookup: PromptLookupDrafter, rows: Sequence[ProposeRow]) -> tup
     return found, [b for b, r in enumerate(rows) if r.num_draft and not found[b]]
 
 
-def lookup_part(spec: str | None) -> PromptLookupDrafter | None:
-    """The prompt lookup a drafter spec runs (alone, or a hybrid's, before the model); None if it has none."""
+def lookup_part(spec: str | None):
+    """The model-free drafter a drafter spec runs in the Serve coordinator: prompt lookup (alone, or a hybrid's,
+    before the model) or suffix decoding; None if it has none."""
     if spec == PROMPT_LOOKUP:
         return PromptLookupDrafter()
+    if spec == SUFFIX:
+        from pipeline.suffix import SuffixDrafter  # it imports this module
+
+        return SuffixDrafter()
     return hybrid_lookup() if spec is not None and spec.startswith(HYBRID_PREFIX) else None
 
 
 def build_drafter(spec: str | None, target_info, tokenizer, device: str = "cpu", dtype: str = "float32"):
     """A drafter from its spec (the drafter vocabulary of pipeline.config): None or "none" (no speculation),
-    "prompt-lookup", a draft model (folder, .gguf or store name), "lookup+MODEL" (`HybridDrafter`), or
-    "synthetic:ALPHA:SHAPE:RECORDING" (`pipeline.synthetic.SyntheticDrafter`, a measurement aid). A draft model
-    of the target's vocabulary passes the compatibility check (`pipeline.compat.check_compatible`); one of another
-    vocabulary drafts through text (`pipeline.cross_tokenizer.CrossTokenizerDrafter`, logged) unless
-    `cross_tokenizer_problem` says why it cannot, which is then refused with that reason."""
+    "prompt-lookup", "suffix" (`pipeline.suffix.SuffixDrafter`), a draft model (folder, .gguf or store name),
+    "lookup+MODEL" (`HybridDrafter`), or "synthetic:ALPHA:SHAPE:RECORDING" (`pipeline.synthetic.SyntheticDrafter`,
+    a measurement aid). A draft model of the target's vocabulary passes the compatibility check
+    (`pipeline.compat.check_compatible`); one of another vocabulary drafts through text
+    (`pipeline.cross_tokenizer.CrossTokenizerDrafter`, logged) unless `cross_tokenizer_problem` says why it cannot,
+    which is then refused with that reason."""
     if spec is None or spec == NO_DRAFT:
         return None
-    if spec == PROMPT_LOOKUP:
-        return PromptLookupDrafter()
+    if spec in (PROMPT_LOOKUP, SUFFIX):
+        return lookup_part(spec)
     if spec.startswith(HYBRID_PREFIX):
         return HybridDrafter(build_drafter(spec[len(HYBRID_PREFIX):], target_info, tokenizer, device, dtype))
     if is_synthetic(spec):  # a measurement aid: the recorded continuation at a set acceptance, a real model's time

@@ -38,6 +38,7 @@ from pipeline.step import (
     empty_block,
     new_k_policy,
     propose,
+    retire,
     verify_and_accept,
 )
 
@@ -136,9 +137,10 @@ class SpeculativeEngine:
         adaptive_k: bool = False,
     ) -> "SpeculativeEngine":
         """target: a model folder, a .gguf file, or None for the demo model. draft: a model path,
-        "prompt-lookup", "lookup+MODEL" (prompt lookup where it matches, the model elsewhere), "default"
-        (`default_draft(target)`), or None for target-only decoding. adaptive_k: greedy requests draft 0..K
-        tokens per step, whichever the measured step costs and acceptance say pays most (`pipeline.adaptive`)."""
+        "prompt-lookup", "suffix" (suffix decoding), "lookup+MODEL" (prompt lookup where it matches, the model
+        elsewhere), "default" (`default_draft(target)`), or None for target-only decoding. adaptive_k: greedy
+        requests draft 0..K tokens per step, whichever the measured step costs and acceptance say pays most
+        (`pipeline.adaptive`)."""
         config = config or EngineConfig()
         model, tokenizer = load_model(str(resolve(target)), device=config.device, dtype=config.dtype)
         if draft == DEFAULT_DRAFT:
@@ -247,7 +249,7 @@ class SpeculativeEngine:
     def _retire(self, state: RequestState, slot: int) -> None:
         self._free_slots.append(slot)
         if self.drafter is not None:
-            self.drafter.release(state.request_id)
+            retire(self.drafter, state)
 
     @torch.inference_mode()
     def _prefill(self, state: RequestState, slot: int) -> None:
@@ -281,7 +283,7 @@ class SpeculativeEngine:
         wants, adapt = draft_budgets(states, spec.num_draft_tokens if self.drafter else 0, policy)
         catch_up_s = 0.0
         if max(wants) > 0:
-            rows = [ProposeRow(s.request_id, s.context_view, w) for s, w in zip(states, wants)]
+            rows = [ProposeRow(s.request_id, s.context_view, w, s.params.greedy) for s, w in zip(states, wants)]
             t_prep = time.perf_counter()
             catch_up(self.drafter, rows)  # timed apart: the K policy's cost for K leaves it out
             catch_up_s = time.perf_counter() - t_prep

@@ -59,6 +59,16 @@ def catch_up(drafter: Drafter, rows: Sequence[ProposeRow]) -> None:
         prepare(rows)
 
 
+def retire(drafter: Drafter, state: RequestState) -> None:
+    """A request ended: a drafter with a `finish` (suffix decoding) learns its output and forgets the request;
+    any other just forgets it (`release`)."""
+    finish = getattr(drafter, "finish", None)
+    if finish is not None:
+        finish(state.request_id, state.output_ids)
+    else:
+        drafter.release(state.request_id)
+
+
 def propose(
     drafter: Drafter,
     rows: Sequence[ProposeRow],  # at least one with num_draft > 0

@@ -21,7 +21,7 @@ METHODS = "engine-target,engine-spec,hf-generate,hf-assisted"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="target model (default: the demo model)")
     p.add_argument("--draft", default="default",
-                   help="drafter: model folder, 'prompt-lookup', 'lookup+MODEL' or 'default'")
+                   help="drafter: model folder, 'prompt-lookup', 'suffix', 'lookup+MODEL' or 'default'")
     p.add_argument("--prompts", default=str(SPEC_BENCH_DEV),
                    help="Spec-Bench jsonl (default: the shipped Spec-Bench dev set, %(default)s)")
     p.add_argument("--per-category", type=int, default=2, help="prompts per Spec-Bench category")

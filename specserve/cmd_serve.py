@@ -47,8 +47,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--name", default="specserve", help="Serve application name")
     p.add_argument("--target", default=None, help="target model folder or .gguf (default: the demo model)")
     p.add_argument("--draft", default=None,
-                   help="drafter: 'prompt-lookup', 'none', a drafter model folder, or 'lookup+MODEL' (prompt lookup "
-                        "where the context matches, the model on drafter replicas elsewhere). Default: the config "
+                   help="drafter: 'prompt-lookup', 'suffix', 'none', a drafter model folder, or 'lookup+MODEL' "
+                        "(prompt lookup where the context matches, the model on drafter replicas elsewhere). Default: "
+                        "the config "
                         "file's; without one, lookup+smollm2-135m-distill for the demo target, else prompt-lookup")
     p.add_argument("-k", "--num-draft-tokens", type=int, default=None, help="default K per request")
     p.add_argument("--redis-url", default=None, help="external Redis (default: $REDIS_URL, else embedded)")

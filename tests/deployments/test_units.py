@@ -53,7 +53,7 @@ def test_cheap_gpu_drafter_bundle_and_worker_options():
 
 
 def test_prompt_lookup_and_no_drafter_have_no_drafter_deployment():
-    for draft in ("prompt-lookup", "none"):
+    for draft in ("prompt-lookup", "suffix", "none"):
         assert cfg.DRAFTER not in cfg.deployment_options(cfg.AppConfig(drafter={"draft": draft}))
     for draft in ("/m/d", "lookup+/m/d"):
         assert cfg.DRAFTER in cfg.deployment_options(cfg.AppConfig(drafter={"draft": draft}))
