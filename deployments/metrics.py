@@ -98,6 +98,7 @@ DEFS: dict[str, _Def] = {
 _lock = threading.Lock()
 _metrics: dict[str, Any] = {}
 _registry: Any = None  # prometheus_client registry in use; None: the default one
+_prometheus_made: dict[tuple[Any, str], Any] = {}  # (registry, name) -> the prometheus_client metric
 
 
 def _in_ray() -> bool:
@@ -171,6 +172,9 @@ def _create(name: str) -> _Adapter:
         return _Adapter(metric, True, bool(d.tag_keys))
     import prometheus_client
 
+    key = (_registry, name)  # a registry refuses a second metric of one name: reuse it after a reset()
+    if key in _prometheus_made:
+        return _Adapter(_prometheus_made[key], False, bool(d.tag_keys))
     kwargs: dict[str, Any] = {"labelnames": d.tag_keys}
     if _registry is not None:
         kwargs["registry"] = _registry
@@ -181,6 +185,7 @@ def _create(name: str) -> _Adapter:
         metric = prometheus_client.Gauge(name, d.description, **kwargs)
     else:
         metric = prometheus_client.Histogram(name, d.description, buckets=d.buckets, **kwargs)
+    _prometheus_made[key] = metric
     return _Adapter(metric, False, bool(d.tag_keys))
 
 
