@@ -36,7 +36,7 @@ def demo_path():
     return str(resolve(None))
 
 
-# `make test` runs the suite on two pytest-xdist workers (`-n 2`). Tests that start servers run in one of two groups,
+# `pytest -n 2` runs the suite on two pytest-xdist workers. Tests that start servers run in one of two groups,
 # each on one worker, in file order (the scheduler below); every other module runs whole on either worker.
 # - RAY_SESSION: the `ray up` cluster tests first (they launch a cluster of their own and time its autoscaling, so
 #   they go before this worker starts the session's local Ray), then every test on that local Ray and Serve
