@@ -24,8 +24,14 @@ requests are greedy with `ignore_eos`:
 
 `--in-process-last` runs part 2 first and part 1 afterwards on the same GPU, while `--budget-s` allows: the
 recording is then the HTTP target-only output, and the in-process target-only output is checked against it.
+`--order` names the parts in any order (`separate,in-process,colocated`); the first part that serves target-only
+writes the recording. A part starts only before `--budget-s`, an HTTP run only before `--deadline-s`.
 
-Prints one table per part and writes serve_gpu_bench.json, .md and a plot to --out.
+Each HTTP part asks every worker actor where it runs (CUDA_VISIBLE_DEVICES, its CUDA device's UUID, the memory
+its tensors hold) and lists `nvidia-smi`'s GPU processes, and times one step's Redis write against the app's own
+Redis. Prints one table per part, a per-step timeline of the HTTP runs (the coordinator's clocks: waiting for the
+draft, for the verdict, the commit; the workers' compute per pass; the hops between), and writes
+serve_gpu_bench.json, .md and a plot to --out.
 """
 
 from __future__ import annotations
@@ -97,11 +103,13 @@ def shape_args(shape: str):
 def write_random_target(shape: str, folder: Path, device: str, seed: int = 0, margin: float = 16.0) -> Path:
     """A Llama model folder (config.json + model.safetensors, bf16) of `shape` with random weights.
 
-    The embedding is scaled by `margin` and the (untied) output layer holds the same values, so the residual
-    stream is dominated by the fed token's embedding and the greedy choice wins by a wide margin (here: the fed
-    token again). Plain random weights give near-ties, which bf16 passes of different shapes (decode T=1,
-    verify T=K+1, other batch sizes) break differently, so the target's greedy output would depend on the K
-    schedule and a recorded continuation would stop matching. The values change no step's cost."""
+    The embedding is scaled by `margin` and the (untied) output layer holds the same values. Plain random weights
+    give near-ties, which bf16 passes of different shapes (decode T=1, verify T=K+1, other batch sizes) break
+    differently, so the target's greedy output would depend on the K schedule and batch, and a recorded
+    continuation would stop matching. Each layer adds about unit variance a dimension to the residual stream and
+    the embedding margin / sqrt(dim): at 16 (dim 4096, 32 layers) the layers dominate and near-ties stay; at 512
+    the fed token's embedding dominates, the greedy token is the fed token again (a constant continuation) and wins
+    by most of the top logit, far beyond bf16 rounding. The values change no step's cost."""
     from safetensors.torch import save_file
 
     from pipeline.models.llama import HF_TO_LOCAL
@@ -135,7 +143,10 @@ def write_random_target(shape: str, folder: Path, device: str, seed: int = 0, ma
     save_file(state, str(folder / "model.safetensors.tmp"))
     os.replace(folder / "model.safetensors.tmp", folder / "model.safetensors")
     (folder / "config.json").write_text(json.dumps(config, indent=1))
-    del runner, state
+    del runner, state, emb
+    gc.collect()
+    if device.startswith("cuda"):  # the bench process keeps no GPU memory beside the replicas it measures
+        torch.cuda.empty_cache()
     return folder
 
 
@@ -217,7 +228,8 @@ def engine_run(engine, prompts: list[list[int]], c: int, params: SamplingParams,
             "tokens_per_pass": tokens / passes}
 
 
-def in_process(args, folder: Path, prompts: list[list[int]], streams: list[int], rec_path: Path) -> dict:
+def in_process(args, folder: Path, prompts: list[list[int]], streams: list[int], rec_path: Path,
+               out: dict | None = None, save=None) -> dict:
     from pipeline.engine import SpeculativeEngine
     from pipeline.models.loader import load_model
     from pipeline.synthetic import Recording, SyntheticDrafter, timing_model
@@ -229,7 +241,8 @@ def in_process(args, folder: Path, prompts: list[list[int]], streams: list[int],
     log(f"in-process target loaded; warm-up: {engine.warmup(args.k)}")
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, seed=0)
     warm_requests(engine, prompts, max(streams), SpecParams(0))
-    out: dict[str, Any] = {"target_only": {}, "spec": {}, "costs": {}}
+    out = {} if out is None else out
+    out.update({"target_only": {}, "spec": {}, "costs": {}})
     n1 = prompts[: args.single_requests]
     for c in streams:
         r = engine_run(engine, n1 if c == 1 else prompts, c, params, SpecParams(0))
@@ -249,14 +262,19 @@ def in_process(args, folder: Path, prompts: list[list[int]], streams: list[int],
     log(f"in-process drafter ready; warm-up: {spec_engine.warmup(args.k)}")
     warm_requests(spec_engine, prompts, max(streams), SpecParams(args.k))
     for c in streams:
+        if time.perf_counter() - T0 > args.deadline_s:
+            log(f"in-process spec c={c}: not run (--deadline-s)")
+            continue
         r = engine_run(spec_engine, n1 if c == 1 else prompts, c, params, SpecParams(args.k))
         r["exact"] = r["ids"] == outputs[: len(r["ids"])]
         r["first_mismatch"] = first_mismatch(r["ids"], outputs)
         out["spec"][c] = r
         log(f"in-process spec c={c}: {r['tokens_per_s']:.1f} tok/s, {r['tokens_per_pass']:.2f} tokens/pass, "
             f"exact {r['exact']} (first differing token per request: {r['first_mismatch']})")
+        if save is not None:
+            save()
     pos = args.prompt_len + args.max_tokens // 2
-    for c in streams:
+    for c in [c for c in streams if c in out["spec"]]:
         out["costs"][c] = {"decode_ms": forward_ms(spec_engine.target, c, 1, pos),
                            "verify_ms": forward_ms(spec_engine.target, c, args.k + 1, pos),
                            "draft_step_ms": forward_ms(drafter.model, c, 1, pos)}
@@ -268,7 +286,7 @@ def in_process(args, folder: Path, prompts: list[list[int]], streams: list[int],
         torch.cuda.empty_cache()
     for d in ("target_only", "spec"):
         for r in out[d].values():
-            r.pop("ids")
+            r.pop("ids", None)
     return out
 
 
@@ -321,6 +339,33 @@ def worker_actors() -> list[tuple[str, Any]]:
     return out
 
 
+def worker_placement() -> list[dict]:
+    """Where each worker actor runs, asked inside it: its CUDA_VISIBLE_DEVICES, current CUDA device, that device's
+    UUID and the memory its tensors hold there (the target's weights against the drafter's)."""
+    import ray
+
+    def where(_self) -> dict:
+        import os as _os
+
+        import torch as _torch
+
+        d: dict[str, Any] = {"pid": _os.getpid(), "CUDA_VISIBLE_DEVICES": _os.environ.get("CUDA_VISIBLE_DEVICES")}
+        if _torch.cuda.is_available():
+            i = _torch.cuda.current_device()
+            props = _torch.cuda.get_device_properties(i)
+            d.update(current_device=i, name=props.name, uuid=str(getattr(props, "uuid", "")),
+                     allocated_gib=round(_torch.cuda.memory_allocated(i) / 2**30, 2))
+        return d
+
+    out = []
+    for role, handle in worker_actors():
+        try:
+            out.append({"role": role, **ray.get(handle.__ray_call__.remote(where), timeout=30)})
+        except Exception as err:  # noqa: BLE001
+            out.append({"role": role, "error": repr(err)[:200]})
+    return out
+
+
 async def slots_freed(actors: list[tuple[str, Any]], limit_s: float = 1.0) -> float | None:
     """Wait until no worker holds a slot (the request that just ended has freed its own), at most limit_s.
     -> ms waited, None if a slot was still held. The next request one after another goes only then: a slot
@@ -360,6 +405,43 @@ def worker_stats(actors: list[tuple[str, Any]] | None = None) -> dict[str, dict]
         prev = out.get(role, {"batches": 0, "rows": 0, "compute_s": 0.0, "slots_used": 0, "waiting": 0})
         out[role] = {k: prev[k] + s.get(k, 0) for k in ("batches", "rows", "compute_s", "slots_used", "waiting")}
     return out
+
+
+def redis_commit_ms(app: str, n: int = 200) -> dict:
+    """The coordinator's per-step Redis write (`RequestStore.commit`: one step's tokens, stats and event, one
+    script call), timed from this process against the app's own Redis: p50/p99 ms of `n` commits to a probe
+    request. The coordinator chains these writes behind its steps (off the critical path) on its event loop."""
+    from ray import serve
+
+    from deployments.config import EMBEDDED_REDIS
+    from deployments.redis_state import RequestStore
+
+    url = serve.get_deployment_handle(EMBEDDED_REDIS, app).url.remote().result(timeout_s=30)
+
+    async def go() -> list[float]:
+        async def get_url() -> str:
+            return url
+
+        store = await RequestStore.connect(get_url, namespace="bench-probe", ttl_s=120)
+        try:
+            rid, owner = f"probe-{os.getpid()}-{time.time_ns()}", "bench"
+            state = {"prompt_ids": list(range(128)), "params": {"max_tokens": 128}, "eos_token_ids": [2],
+                     "stats": {}, "step": 0}
+            await store.create(rid, owner, state)
+            times = []
+            for i in range(n):
+                toks = [1000 + i, 2000 + i, 3000 + i]
+                event = {"i": i, "token_ids": toks, "text": "", "finish_reason": None}
+                t0 = time.perf_counter()
+                await store.commit(rid, owner, i, i + 1, toks, 0, None, {"target_passes": i + 1, "accepted": 2 * i},
+                                   event)
+                times.append(time.perf_counter() - t0)
+            return times
+        finally:
+            await store.close()
+
+    times = asyncio.run(go())
+    return {"n": n, "p50_ms": 1e3 * pct(times, 50), "p99_ms": 1e3 * pct(times, 99)}
 
 
 def http_run(url: str, model: str, prompts: list[list[int]], c: int, args, k: int) -> dict:
@@ -406,11 +488,18 @@ def http_run(url: str, model: str, prompts: list[list[int]], c: int, args, k: in
            "passes_each": [r["spec"].get("target_passes") for r in res],
            "seconds_each": [round(r["seconds"], 4) for r in res],
            "ttft_ms_each": [round(1e3 * r["ttft"], 1) for r in res], "slots_freed_ms_after_each": held}
+    # The coordinator's own clocks, summed over the requests (each request's stats arrive with its last event):
+    # waiting for the draft (the drafter call, or a pre-draft), for the verdict (the target call), the whole step.
+    for key in ("coordinator_draft_s", "coordinator_verify_s", "coordinator_step_s", "overlap_tries",
+                "overlap_hits", "queue_wait_s"):
+        row[key] = sum(float(r["spec"].get(key, 0.0) or 0.0) for r in res)
+    row["coordinator_steps"] = passes
     for role in ("target", "drafter"):
         if role in after:
             b = after[role]["batches"] - before.get(role, {}).get("batches", 0)
             cs = after[role]["compute_s"] - before.get(role, {}).get("compute_s", 0.0)
             row[f"{role}_passes"] = b
+            row[f"{role}_rows"] = after[role]["rows"] - before.get(role, {}).get("rows", 0)
             row[f"{role}_compute_ms_per_pass"] = 1e3 * cs / b if b else float("nan")
     return row
 
@@ -467,13 +556,25 @@ def _serve_part(args, folder, rec_path, prompts, streams, placement, outputs, sh
         smi = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv"],
                              capture_output=True, text=True).stdout
         log("GPU processes:\n" + smi)
+        gpus = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,memory.used", "--format=csv"],
+                              capture_output=True, text=True).stdout
+        log("GPUs:\n" + gpus)
+    else:
+        smi = gpus = ""
+    where = worker_placement()
+    for w in where:
+        log(f"worker [{placement}]: {w}")
+    uuids = {w["role"]: w.get("uuid") for w in where}
+    apart = uuids.get("target") is not None and uuids.get("drafter") is not None and uuids["target"] != uuids["drafter"]
+    log(f"serve [{placement}]: target and drafter workers on different GPUs: {apart}")
     url = f"http://127.0.0.1:{port}/v1"
     import httpx
 
     model = httpx.get(f"{url}/models").json()["data"][0]["id"]
     short = argparse.Namespace(**{**vars(args), "max_tokens": 16})
     out: dict[str, Any] = part if part is not None else {}
-    out.update({"start_s": start_s, "spec": {}, "target_only": {}, "placement": placement})
+    out.update({"start_s": start_s, "spec": {}, "target_only": {}, "placement": placement, "workers": where,
+                "workers_on_different_gpus": apart, "nvidia_smi_apps": smi, "nvidia_smi_gpus": gpus})
     n1 = prompts[: args.single_requests]
     runs = [("target_only", 0), ("spec", args.k)]
     if outputs is None:  # no in-process run: target-only through HTTP first; its greedy outputs are the recording
@@ -484,6 +585,10 @@ def _serve_part(args, folder, rec_path, prompts, streams, placement, outputs, sh
         http_run(url, model, prompts[:1], 1, short, 0)
         order = [(name, k, c) for i, c in enumerate(streams) for name, k in (runs if i % 2 else runs[::-1])]
     for name, k, c in order:
+        if time.perf_counter() - T0 > args.deadline_s:
+            out.setdefault("not_run", []).append(f"{name} c={c}")
+            log(f"http [{placement}] {name} c={c}: not run (--deadline-s)")
+            continue
         if name == "spec" and outputs is None:
             from pipeline.synthetic import Recording
 
@@ -514,6 +619,14 @@ def _serve_part(args, folder, rec_path, prompts, streams, placement, outputs, sh
         if c == 1:
             log(f"http [{placement}] {name} c=1: TTFT ms per request {r['ttft_ms_each']}, the slots of each "
                 f"request freed after (ms; None: still held after 1 s) {r['slots_freed_ms_after_each']}")
+    try:
+        out["redis_commit"] = redis_commit_ms("bench")
+        log(f"redis commit round trip from the bench process: {out['redis_commit']}")
+    except Exception as err:  # noqa: BLE001
+        log(f"redis commit probe: {err!r}")
+    if time.perf_counter() - T0 > args.deadline_s:
+        log(f"http [{placement}] seeded sampled replay: not run (--deadline-s)")
+        return out
     # Seeded sampled requests replay identically (two prompts, twice each, speculative).
     n = min(48, args.max_tokens)
     async def sampled():
@@ -544,9 +657,19 @@ def _serve_part(args, folder, rec_path, prompts, streams, placement, outputs, sh
 
 def header(r: dict) -> str:
     return (f"{r['card']} x{r['gpus']}, {r['date']}; target {r['target_shape']} (random weights, "
-            f"{r.get('dtype', 'bfloat16')}), drafter synthetic:{r['alpha']}:{r['draft_shape']} (**synthetic "
+            f"{r.get('dtype', 'bfloat16')}, embedding margin {r.get('margin', 16):g}), drafter "
+            f"synthetic:{r['alpha']}:{r['draft_shape']} (**synthetic "
             f"acceptance**), K={r['k']} fixed, greedy, {r['prompt_len']}-token random prompts, {r['max_tokens']} "
             f"tokens each; 1 stream = {r['single_requests']} requests one after another.")
+
+
+def placement_lines(placement: str, part: dict) -> list[str]:
+    """Where the workers ran, as they said themselves."""
+    if "workers" not in part:
+        return []
+    ws = "; ".join(f"{w['role']}: CUDA_VISIBLE_DEVICES={w.get('CUDA_VISIBLE_DEVICES')}, cuda:{w.get('current_device')}"
+                   f" {str(w.get('uuid', ''))[:13]}, {w.get('allocated_gib', '-')} GiB" for w in part["workers"])
+    return [f"{placement}: workers {ws}; on different GPUs: {part.get('workers_on_different_gpus')}"]
 
 
 def serve_table(r: dict) -> str:
@@ -573,13 +696,64 @@ def serve_table(r: dict) -> str:
         if "sampled_replay_identical" in part:
             lines.append(f"\n{placement}: seeded sampled requests replay identically: "
                          f"{part['sampled_replay_identical']}; app up in {part['start_s']:.1f} s")
+        lines += placement_lines(placement, part)
         if "skipped" in part:
             lines.append(f"\n{placement}: stopped: {part['skipped']}")
     return "\n".join(lines) + "\n"
 
 
+def timeline_table(r: dict) -> str:
+    """Per HTTP run, where a step's time goes (ms a step of one request, from the coordinator's clocks summed over
+    the requests, and the workers' compute per pass)."""
+    ip = r.get("in_process")
+    lines = ["", "Per-step timeline through HTTP (ms; a step = one target pass of one request):", "",
+             "| placement | path | streams | client step | coordinator step | waiting for the draft | waiting for "
+             "the verdict | commit & rest | outside the coordinator | target worker per pass (rows) | bare forward "
+             "(B = streams) | verdict hop | drafter worker per pass (passes a step) | pre-drafts used / tried | "
+             "Redis commit p50 / p99 |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    nan = float("nan")
+    for placement, part in r["serve"].items():
+        rc = part.get("redis_commit") or {}
+        redis = f"{rc.get('p50_ms', nan):.2f} / {rc.get('p99_ms', nan):.2f}"
+        for c in r["streams"]:
+            for name in ("target_only", "spec"):
+                x = part.get(name, {}).get(c)
+                if x is None or not x.get("coordinator_steps"):
+                    continue
+                n = x["coordinator_steps"]
+                client = 1e3 * sum(x["seconds_each"]) / n
+                step, draft = 1e3 * x["coordinator_step_s"] / n, 1e3 * x["coordinator_draft_s"] / n
+                verify = 1e3 * x["coordinator_verify_s"] / n
+                tp, tb = x.get("target_passes", 0), x.get("target_compute_ms_per_pass", nan)
+                rows = x.get("target_rows", 0) / tp if tp else nan
+                bare = nan
+                if ip is not None and c in ip.get("costs", {}):
+                    bare = ip["costs"][c]["verify_ms" if name == "spec" else "decode_ms"]
+                dp = x.get("drafter_passes", 0)
+                drafter = (f"{x.get('drafter_compute_ms_per_pass', nan):.2f} ({dp * c / n if n else nan:.2f})"
+                           if dp else "-")
+                pre = f"{x.get('overlap_hits', 0):.0f} / {x.get('overlap_tries', 0):.0f}" if name == "spec" else "-"
+                lines.append(
+                    f"| {placement} | {name} | {c} | {client:.2f} | {step:.2f} | {draft:.2f} | {verify:.2f} | "
+                    f"{step - draft - verify:.2f} | {client - step:.2f} | {tb:.2f} ({rows:.1f}) | {bare:.2f} | "
+                    f"{verify - tb:.2f} | {drafter} | {pre} | {redis} |")
+    lines += ["", "client step: a request's time over its target passes (TTFT included); coordinator step: its "
+              "step loop's clock (draft + verdict + commit, the Redis write chained off the critical path); outside "
+              "the coordinator: ingress, SSE, the client, admission; verdict hop: waiting for the verdict minus "
+              "the target worker's compute a pass (the actor call both ways, batching waits); bare forward: the "
+              "in-process target forward of the same run (decode for target-only, verify of K+1 for speculative) "
+              "at B = streams; its difference to the worker's compute a pass is the worker's host work (packing, "
+              "accept, read-back) plus the rows' count; drafter passes a step: drafter passes x streams / steps. "
+              "Redis commit: one step's write, timed from the bench process against the app's Redis."]
+    return "\n".join(lines) + "\n"
+
+
 def tables(r: dict) -> str:
-    if r["in_process"] is None:
+    return _tables(r) + timeline_table(r)
+
+
+def _tables(r: dict) -> str:
+    if not (r["in_process"] or {}).get("costs"):
         return serve_table(r)
     ip, k = r["in_process"], r["k"]
     lines = [header(r), "",
@@ -599,7 +773,8 @@ def tables(r: dict) -> str:
                 f"{spec.get('target_compute_ms_per_pass', float('nan')):.2f} | "
                 f"{spec.get('drafter_compute_ms_per_pass', float('nan')):.2f} | {spec.get('exact', '-')} |")
 
-    for c in r["streams"]:
+    done = [c for c in r["streams"] if c in ip.get("costs", {}) and c in ip.get("spec", {})]
+    for c in done:
         cost = ip["costs"][c]
         sp = ip["spec"][c]
         ideal = ideal_speedup(cost["decode_ms"], cost["verify_ms"], cost["draft_step_ms"], k,
@@ -608,7 +783,7 @@ def tables(r: dict) -> str:
                          ideal_speedup(cost["decode_ms"], cost["decode_ms"], 0, 0, 1.0), False))
         lines.append(row("in process, drafter co-located", c, sp, ip["target_only"][c], ideal, False))
         for placement, part in r["serve"].items():
-            if "skipped" in part or c not in part.get("spec", {}):
+            if "skipped" in part or c not in part.get("spec", {}) or c not in part.get("target_only", {}):
                 continue
             hs, ht = part["spec"][c], part["target_only"][c]
             tpp = min(max(hs["tokens_per_pass"], 1.0), k + 1)
@@ -620,7 +795,7 @@ def tables(r: dict) -> str:
             lines.append(row(f"HTTP, drafter {placement}", c, hs, ht, ideal_h, over))
     lines += ["", "| streams | decode ms (T=1) | verify ms (T=K+1) | draft step ms | HTTP spec / in-process spec, per "
               "placement | HTTP target-only / in-process target-only |", "|---|---|---|---|---|---|"]
-    for c in r["streams"]:
+    for c in done:
         cost = ip["costs"][c]
         ratios = ", ".join(f"{p} {part['spec'][c]['tokens_per_s'] / ip['spec'][c]['tokens_per_s']:.2f}"
                            for p, part in r["serve"].items() if c in part.get("spec", {}))
@@ -635,6 +810,7 @@ def tables(r: dict) -> str:
         if "sampled_replay_identical" in part:
             lines.append(f"\n{placement}: seeded sampled requests replay identically: "
                          f"{part['sampled_replay_identical']}; app up in {part['start_s']:.1f} s")
+        lines += placement_lines(placement, part)
     return "\n".join(lines) + "\n"
 
 
@@ -647,13 +823,14 @@ def plot(r: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     s = r["streams"]
     ip = r["in_process"]
-    if ip is not None:
-        ax.plot(s, [ip["target_only"][c]["tokens_per_s"] for c in s], "k--o", label="in process, target only")
-        ax.plot(s, [ip["spec"][c]["tokens_per_s"] for c in s], "k-o", label="in process, drafter co-located")
+    if ip is not None and ip.get("spec"):
+        si = [c for c in s if c in ip["spec"]]
+        ax.plot(si, [ip["target_only"][c]["tokens_per_s"] for c in si], "k--o", label="in process, target only")
+        ax.plot(si, [ip["spec"][c]["tokens_per_s"] for c in si], "k-o", label="in process, drafter co-located")
     for placement, part in r["serve"].items():
         if "skipped" in part:
             continue
-        cs = [c for c in s if c in part["spec"]]
+        cs = [c for c in s if c in part.get("spec", {}) and c in part.get("target_only", {})]
         ax.plot(cs, [part["target_only"][c]["tokens_per_s"] for c in cs], "--s", label="HTTP, target only"
                 if placement == "separate" else f"HTTP, target only ({placement} app)")
         ax.plot(cs, [part["spec"][c]["tokens_per_s"] for c in cs], "-s", label=f"HTTP, drafter {placement}")
@@ -692,7 +869,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="the HTTP part first (its target-only run writes the recording), then the in-process part "
                    "on the same GPU if --budget-s has not run out (its target-only greedy output is checked "
                    "against the HTTP one)")
-    p.add_argument("--budget-s", type=float, default=540, help="skip what would start after this")
+    p.add_argument("--order", default=None, help="the parts in order, e.g. separate,in-process,colocated (default: "
+                   "in-process first, then --placements; see --serve-only, --in-process-last)")
+    p.add_argument("--budget-s", type=float, default=540, help="skip a part that would start after this")
+    p.add_argument("--deadline-s", type=float, default=1e9, help="skip an HTTP run (and the sampled replay) that "
+                   "would start after this, so that the command ends cleanly inside its limit")
+    p.add_argument("--margin", type=float, default=16.0, help="the random target's embedding scale "
+                   "(`write_random_target`): 512 makes the 8B shape's greedy token robust to bf16 rounding")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run (--target-shape tiny, --draft-shape "
                    "tiny: a random folder is written for it)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
@@ -710,7 +893,8 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     card = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
     log(f"{torch.cuda.device_count()} x {card}, torch {torch.__version__}")
-    folder = write_random_target(args.target_shape, work / f"{args.target_shape}-random", args.device)
+    folder = write_random_target(args.target_shape, work / f"{args.target_shape}-random-m{args.margin:g}",
+                                 args.device, margin=args.margin)
     log(f"random target folder: {folder}")
     if args.draft_shape == "tiny":  # a dry run: the draft model's forwards run on a folder of the tiny shape
         args.draft_shape = str(write_random_target("tiny", work / "tiny-draft-random", args.device, seed=1))
@@ -722,7 +906,8 @@ def main(argv: list[str] | None = None) -> int:
                               "target_shape": args.target_shape, "draft_shape": args.draft_shape,
                               "alpha": args.alpha, "k": args.k, "streams": streams, "prompt_len": args.prompt_len,
                               "max_tokens": args.max_tokens, "single_requests": args.single_requests,
-                              "overlap": not args.no_overlap, "dtype": args.dtype, "serve": {}, "argv": sys.argv}
+                              "overlap": not args.no_overlap, "dtype": args.dtype, "margin": args.margin,
+                              "serve": {}, "argv": sys.argv}
     def save() -> None:
         (out / "serve_gpu_bench.json").write_text(json.dumps(result, indent=1, default=str))
 
@@ -730,34 +915,43 @@ def main(argv: list[str] | None = None) -> int:
     result["in_process"] = None
     if rec_path.exists():  # a recording of an earlier run in the same folder
         rec_path.unlink()
-    if not (args.serve_only or args.in_process_last):
-        result["in_process"] = in_process(args, folder, prompts, streams, rec_path)
-        save()
-        from pipeline.synthetic import Recording
+    placements = [x for x in args.placements.split(",") if x]
+    if args.order:
+        parts = [x for x in args.order.split(",") if x]
+    elif args.serve_only:
+        parts = placements
+    elif args.in_process_last:
+        parts = placements + ["in-process"]
+    else:
+        parts = ["in-process"] + placements
+    result["order"] = parts
+    from pipeline.synthetic import Recording
 
-        outputs = Recording.load(rec_path).outputs
-    for placement in filter(None, args.placements.split(",")):
+    for name in parts:
         if time.perf_counter() - T0 > args.budget_s:
-            result["serve"][placement] = {"skipped": "time budget"}
-            log(f"skipping serve [{placement}]: time budget")
+            log(f"skipping {name}: time budget (--budget-s {args.budget_s:g})")
+            if name != "in-process":
+                result["serve"][name] = {"skipped": "time budget"}
+            continue
+        if name == "in-process":
+            result["in_process"] = {}
+            in_process(args, folder, prompts, streams, rec_path, result["in_process"], save)
+            save()
+            outputs = Recording.load(rec_path).outputs
             continue
         try:
-            result["serve"][placement] = {}
-            serve_part(args, folder, rec_path, prompts, streams, placement, outputs, save, result["serve"][placement])
+            result["serve"][name] = {}
+            serve_part(args, folder, rec_path, prompts, streams, name, outputs, save, result["serve"][name])
         except Exception as err:  # noqa: BLE001 - report what ran, and why the rest did not
             import traceback
 
             traceback.print_exc()
-            result["serve"][placement]["skipped"] = f"error: {err!r}"[:300]
-        (out / "serve_gpu_bench.json").write_text(json.dumps(result, indent=1, default=str))
+            result["serve"][name]["skipped"] = f"error: {err!r}"[:300]
+        if outputs is None and rec_path.exists():  # the HTTP target-only run wrote the recording
+            outputs = Recording.load(rec_path).outputs
+        save()
         (out / "serve_gpu_bench.md").write_text(tables(result))
         print(tables(result), flush=True)
-    if args.in_process_last:
-        if time.perf_counter() - T0 > args.budget_s:
-            log("skipping the in-process part: time budget")
-        else:
-            result["in_process"] = in_process(args, folder, prompts, streams, rec_path)
-            save()
     md = tables(result)
     (out / "serve_gpu_bench.md").write_text(md)
     try:

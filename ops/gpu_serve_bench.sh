@@ -17,8 +17,11 @@ if [[ ! -d $SITE/ray ]]; then
   mkdir -p $SITE && tar xJf "$CARRY/gpu-site-$TAG.tar.xz" -C $SITE
 fi
 chmod +x $SITE/ray/core/src/ray/gcs/gcs_server $SITE/ray/core/src/ray/raylet/raylet
-mkdir -p /tmp/specserve-redis
-for f in "$CARRY"/debs/*.deb; do dpkg -x "$f" /tmp/specserve-redis; done
+# Unpacked once a machine: a later call on the same warm machine needs no carried bundle.
+if [[ ! -x /tmp/specserve-redis/usr/bin/redis-check-rdb ]]; then
+  mkdir -p /tmp/specserve-redis
+  for f in "$CARRY"/debs/*.deb; do dpkg -x "$f" /tmp/specserve-redis; done
+fi
 # Debian's redis-check-rdb is the redis-server binary; started under that name, it serves.
 ln -sf redis-check-rdb /tmp/specserve-redis/usr/bin/redis-server
 export LD_LIBRARY_PATH=/tmp/specserve-redis/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
