@@ -3,12 +3,16 @@
     python -m ops.gpu_bench --part steps --out $OUT          # step latencies, floors, HF baselines
     python -m ops.gpu_bench --part steps --attention triton,sdpa --out $OUT   # ours with each attention
     python -m ops.gpu_bench --part demo --gguf F.gguf --out $OUT   # the demo pair end to end
+    python -m ops.gpu_bench --part steps --shapes qwen3-8b,llama-8b,gemma2-2b --batches 1 --hf-batches "" \
+        --profile-batches "" --deadline-s 60 --out $OUT   # other families' shapes, no shape started past 60 s
 
 steps: the bandwidth floor measured on this card (a large device-to-device copy: bytes read + written over
 time); then per model shape (random bf16 weights) and batch B, the latency of one step feeding T = 1 and
 T = K+1 tokens per row at context `--context`: this engine's graph runner (`pipeline.models.graphs`), the same
 model eager, Hugging Face eager (DynamicCache) and Hugging Face compiled (StaticCache +
 torch.compile(mode="reduce-overhead")). floor = (weights read once + KV read + KV written) / copy bandwidth.
+`--shapes` names the shapes (`pipeline.models.shapes.SHAPES`); a shape whose family the graph runner lacks
+(`graph_path_reason`: Gemma 2 and 3) is timed on the eager fast path, its rows marked `eager`.
 `--attention` lists the graph runner's attention variants to time (`GraphConfig.attention`: triton = the
 split-KV kernel reading the cache in place, sdpa = slot gather + SDPA, auto = the defaults) or runner
 variants (`VARIANTS`: prev = triton attention with cuBLAS linears and the unfused RoPE/cache write, rope = +
@@ -41,11 +45,12 @@ from typing import Any, Callable
 
 import torch
 
-from pipeline.models.graphs import GraphCausalLM, GraphConfig  # noqa: E402
+from pipeline.models.graphs import GraphCausalLM, GraphConfig, graph_path_reason  # noqa: E402
 from pipeline.models.kernel_timing import copy_GBps  # noqa: E402
 from pipeline.models.shapes import SHAPES, kv_bytes_per_token, random_llama, weight_bytes_read  # noqa: E402
 
 T0 = time.perf_counter()
+DEFAULT_SHAPES = "llama-8b,llama-1b,llama-1b-v32k"
 
 
 def log(msg: str) -> None:
@@ -135,9 +140,16 @@ def variant_label(name: str, graph: GraphCausalLM) -> str:
     return name if name in VARIANTS else graph.attention
 
 
+def past(deadline_s: float | None) -> bool:
+    """Whether the run is past its deadline (no new measurement starts then)."""
+    return deadline_s is not None and elapsed() > deadline_s
+
+
 def bench_ours(shape: str, batches: list[int], Ts: list[int], context: int, eager_batches: list[int],
-               attention: str = "auto") -> list[dict]:
-    dev = torch.device("cuda")
+               attention: str = "auto", device: str = "cuda", deadline_s: float | None = None) -> list[dict]:
+    dev = torch.device(device)
+    if graph_path_reason(SHAPES[shape]) is not None:
+        return bench_eager(shape, batches, Ts, context, dev, deadline_s)
     runner = random_llama(shape, dev, torch.bfloat16, seed=0)
     graph = GraphCausalLM(runner, variant_config(attention))
     graph.allocate(max(batches), context + 256)
@@ -147,6 +159,9 @@ def bench_ours(shape: str, batches: list[int], Ts: list[int], context: int, eage
     rows = []
     for B in batches:
         for T in Ts:
+            if past(deadline_s):
+                log(f"ours {shape} B={B} T={T}: skipped (deadline)")
+                continue
             tokens = torch.randint(0, V, (B, T), device=dev)
             positions = torch.full((B,), context, dtype=torch.int64)  # host tensors, as the engine passes them
             slots = torch.arange(B)
@@ -156,7 +171,8 @@ def bench_ours(shape: str, batches: list[int], Ts: list[int], context: int, eage
             first_s = time.perf_counter() - t_first
             step = time_fn(lambda: graph.forward(tokens, positions, slots))
             key = graph.shape_for(B, T, context)
-            replay = time_fn(graph._graphs[key].graph.replay)
+            captured = graph._graphs[key].graph
+            replay = time_fn(captured.replay) if captured is not None else {"median_ms": float("nan")}
             row = {"impl": "ours-graph", "model": shape, "B": B, "T": T, "ms": step["median_ms"],
                    "p90_ms": step["p90_ms"], "replay_ms": replay["median_ms"], "bucket": key, "first_call_s": first_s,
                    "attention": variant_label(attention, graph)}
@@ -167,6 +183,35 @@ def bench_ours(shape: str, batches: list[int], Ts: list[int], context: int, eage
                 f"(replay {replay['median_ms']:.3f}, "
                 f"eager {row.get('eager_ms', float('nan')):.2f}, first call {first_s:.1f} s)")
     graph = runner = None  # free the GPU memory before the next shape
+    free()
+    return rows
+
+
+def bench_eager(shape: str, batches: list[int], Ts: list[int], context: int, dev: torch.device,
+                deadline_s: float | None = None) -> list[dict]:
+    """The eager fast path's step latencies, for a shape whose family the graph runner lacks."""
+    runner = random_llama(shape, dev, torch.bfloat16, seed=0)
+    runner.allocate(max(batches), context + 256)
+    for c in runner.k_caches + runner.v_caches:
+        c.normal_()
+    V, rows = SHAPES[shape].vocab_size, []
+    why = graph_path_reason(SHAPES[shape])
+    for B in batches:
+        for T in Ts:
+            if past(deadline_s):
+                log(f"ours-eager {shape} B={B} T={T}: skipped (deadline)")
+                continue
+            tokens = torch.randint(0, V, (B, T), device=dev)
+            positions, slots = torch.full((B,), context, dtype=torch.int64), torch.arange(B)
+            t_first = time.perf_counter()
+            runner.forward(tokens, positions, slots)
+            torch.cuda.synchronize()
+            first_s = time.perf_counter() - t_first
+            step = time_fn(lambda: runner.forward(tokens, positions, slots), iters=20)
+            rows.append({"impl": "ours-eager", "model": shape, "B": B, "T": T, "ms": step["median_ms"],
+                         "p90_ms": step["p90_ms"], "first_call_s": first_s, "attention": "eager", "why": why})
+            log(f"ours-eager {shape} B={B} T={T}: {step['median_ms']:.3f} ms (first call {first_s:.1f} s)")
+    runner = None
     free()
     return rows
 
@@ -383,12 +428,19 @@ def run_steps(args, result: dict, save: Callable[[], None]) -> None:
     Ts = [1, args.k + 1]
     rows = result.setdefault("rows", [])
     attentions = result["attention_variants"] = [a.strip() for a in args.attention.split(",") if a.strip()]
-    plan = [("llama-8b", batches, Ts), ("llama-1b", batches, Ts), ("llama-1b-v32k", [1], Ts)]
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    plan = [(shape, [1] if shape == "llama-1b-v32k" else batches, Ts) for shape in shapes]
     for shape, bs, ts in plan:
         for i, attention in enumerate(attentions):
+            if past(args.deadline_s):
+                result.setdefault("errors", []).append(f"ours[{attention}] {shape}: skipped (deadline)")
+                log(f"ours[{attention}] {shape}: skipped (deadline)")
+                continue
+            if i > 0 and graph_path_reason(SHAPES[shape]) is not None:
+                continue  # the eager path has no attention variants
             try:  # the eager runner does not depend on the graph attention: timed with the first variant only
                 rows += bench_ours(shape, bs, ts, args.context, eager_batches=[1] if i == 0 else [],
-                                   attention=attention)
+                                   attention=attention, device=args.device, deadline_s=args.deadline_s)
             except Exception:  # noqa: BLE001 - record and go on: the other numbers are still worth having
                 result.setdefault("errors", []).append(f"ours[{attention}] {shape}: {traceback.format_exc()}")
                 log(traceback.format_exc())
@@ -414,7 +466,7 @@ def run_steps(args, result: dict, save: Callable[[], None]) -> None:
             log(traceback.format_exc())
         save()
     hf_batches = [int(b) for b in args.hf_batches.split(",") if b.strip()]
-    for shape in ("llama-8b", "llama-1b") if hf_batches else ():
+    for shape in [s for s in ("llama-8b", "llama-1b") if s in shapes] if hf_batches else ():
         try:
             model = hf_model(shape)
             rows += bench_hf_eager(model, shape, hf_batches, Ts, args.context)
@@ -426,7 +478,7 @@ def run_steps(args, result: dict, save: Callable[[], None]) -> None:
             free()
         save()
     for shape, how in (("llama-8b", "generate"), ("llama-8b", "direct"), ("llama-1b", "generate")):
-        if not hf_batches:
+        if not hf_batches or shape not in shapes:
             break
         left = args.budget_s - elapsed()
         if left < 40:
@@ -445,6 +497,8 @@ def run_steps(args, result: dict, save: Callable[[], None]) -> None:
     variants = _attentions(rows)
     for i, attention in enumerate(variants):
         result["checks"] += checks(rows, attention, suffix="" if i == 0 else f" [{attention}]")
+    result["checks"] += family_checks(rows, [s for s in shapes if not s.startswith(("llama", "smollm"))],
+                                      variants[0] if variants else None)
     # A float8 drafter against the bf16 target: the 1B-shaped steps of an fp8 variant over the first variant's 8B step
     target_8b = _ms(rows, "ours-graph", "llama-8b", 1, 1, variants[0]) if variants else None
     for attention in (v for v in variants if _is_fp8(v)):
@@ -497,6 +551,22 @@ def checks(rows: list[dict], attention: str | None = None, suffix: str = "") -> 
     return out
 
 
+def family_checks(rows: list[dict], shapes: list[str], attention: str | None) -> list[dict]:
+    """The Llama 8B shape's step targets for other families' shapes: B=1 decode within 1.15x its floor, verify of
+    5 within 1.10x decode of 1 (graph rows of the first variant; eager rows where the family has no graph path)."""
+    out = []
+    for m in shapes:
+        def g(B: int, T: int, m: str = m) -> float | None:
+            return _ms(rows, "ours-graph", m, B, T, attention) or _ms(rows, "ours-eager", m, B, T)
+        path = "graph" if graph_path_reason(SHAPES[m]) is None else "eager"
+        d1, d5, fl = g(1, 1), g(1, 5), _floor(rows, m, 1, 1, attention if path == "graph" else "eager")
+        for name, value, limit in ((f"{m} B=1 decode / floor [{path}]", d1 / fl if d1 and fl else None, 1.15),
+                                   (f"{m} B=1 verify 5 / decode 1 [{path}]", d5 / d1 if d1 and d5 else None, 1.10)):
+            met = None if value is None else value <= limit
+            out.append({"check": name, "value": value, "limit": limit, "met": met})
+    return out
+
+
 def steps_table(result: dict) -> str:
     rows = result.get("rows", [])
     lines = [f"card: {result['card']}; copy bandwidth {result['copy']['GBps']:.0f} GB/s; context {result['context']}",
@@ -505,12 +575,14 @@ def steps_table(result: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     order = {a: i for i, a in enumerate(_attentions(rows))}
     # One row per (model, B, T) and attention variant of ours; HF-only shapes get one row (attention '-').
-    keys = {(r["model"], r["B"], r["T"], r.get("attention") if r["impl"] == "ours-graph" else None) for r in rows}
+    ours_impls = ("ours-graph", "ours-eager")
+    keys = {(r["model"], r["B"], r["T"], r.get("attention") if r["impl"] in ours_impls else None) for r in rows}
     keys = {k for k in keys if k[3] is not None or not any(o[:3] == k[:3] and o[3] is not None for o in keys)}
     keys = sorted(keys, key=lambda k: (list(SHAPES).index(k[0]), k[1], k[2], order.get(k[3], -1)))
     f = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
     for m, B, T, att in keys:
-        ours = _ms(rows, "ours-graph", m, B, T, att) if att is not None else None
+        ours = (_ms(rows, "ours-eager" if att == "eager" else "ours-graph", m, B, T, att)
+                if att is not None else None)
         fl = _floor(rows, m, B, T, att)
         eager = next((r["eager_ms"] for r in rows if (r["impl"], r["model"], r["B"], r["T"]) == ("ours-graph", m, B, T)
                       and "eager_ms" in r), None)
@@ -706,6 +778,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile-batches", default="1,16,32",
                    help="8B batches of the per-kernel profile of each variant ('' skips the profile)")
     p.add_argument("--budget-s", type=float, default=480.0, help="skip optional HF compiled runs past this")
+    p.add_argument("--shapes", default=DEFAULT_SHAPES,
+                   help="(steps part) comma-separated model shapes (pipeline.models.shapes.SHAPES), in order; "
+                        "shapes without a graph path run eager")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="(steps part) no shape or step measurement starts past this many seconds of the run")
     p.add_argument("--gguf", default=None,
                    help="the demo target's GGUF file (demo part), or its converted folder (concurrent part)")
     p.add_argument("--prompts", default=None, help="Spec-Bench jsonl (default: the shipped Spec-Bench dev set)")
@@ -716,7 +793,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="(concurrent part) capture graphs on first use instead of before the rounds")
     p.add_argument("--demo-dtype", default="float32")
-    p.add_argument("--device", default="cuda", help="(demo part) device of the engine and HF models")
+    p.add_argument("--device", default="cuda", help="(demo, steps parts) device of the engine and models")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,7 @@
-"""Named Llama shapes with random weights, for timing and GPU checks (no checkpoint needed).
+"""Named model shapes with random weights, for timing and GPU checks (no checkpoint needed).
+
+The Llama shapes are written out; the other families' shapes are read from their published `config.json`
+values through `LlamaArgs.from_hf`, as a checkpoint of that family is read (`pipeline/models/families.py`).
 
 Random weights are fine for timing: a decode step's cost depends on shapes, not values. Values are drawn
 (normal, std 1/sqrt(fan-in); norms near 1) rather than left at zero, so no kernel sees an all-zero input.
@@ -31,6 +34,28 @@ SHAPES["smollm2-135m"] = LlamaArgs(vocab_size=49152, dim=576, n_layers=30, n_hea
 # The project's drafters keep a reduced output vocabulary (pipeline/distill): the 1B shape over 32768 rows.
 SHAPES["llama-1b-v32k"] = replace(SHAPES["llama-1b"], vocab_size=32768)
 
+# Other families, from the values of their published config.json files (keys a config leaves out take the
+# family's defaults in families.py, as for a real checkpoint).
+_GEMMA2 = dict(model_type="gemma2", vocab_size=256000, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
+               attn_logit_softcapping=50.0, final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh",
+               rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=8192, tie_word_embeddings=True)
+_FAMILY_CONFIGS = {
+    # Gemma2-2B: 2.61B parameters (tied embeddings), 5.23 GB in bf16; GeGLU, sandwich norms, soft-capped attention
+    # and final logits, sliding window 4096 on every other layer (the even ones).
+    "gemma2-2b": dict(_GEMMA2, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                      num_attention_heads=8, num_key_value_heads=4),
+    # Gemma2-9B: 9.24B parameters (tied embeddings), 18.48 GB in bf16.
+    "gemma2-9b": dict(_GEMMA2, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+                      num_attention_heads=16, num_key_value_heads=8),
+    # Qwen3-8B: 8.19B parameters (untied embeddings), 16.38 GB in bf16; RMSNorm over each query and key head.
+    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
+                     tie_word_embeddings=False, attention_bias=False, use_sliding_window=False,
+                     sliding_window=None),
+}
+SHAPES.update({name: LlamaArgs.from_hf(config) for name, config in _FAMILY_CONFIGS.items()})
+
 
 def random_llama(
     args: LlamaArgs | str, device: torch.device | str, dtype: torch.dtype = torch.bfloat16, seed: int = 0
@@ -44,8 +69,8 @@ def random_llama(
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(1.0, 0.05, generator=gen)
+            if name.endswith("norm.weight"):  # a (1 + weight) norm (Gemma) scales near 1 with weights near 0
+                p.normal_(0.0 if args.family.unit_offset_norm else 1.0, 0.05, generator=gen)
             else:
                 p.normal_(0.0, p.shape[-1] ** -0.5 if p.dim() == 2 else 0.02, generator=gen)
     if args.tie_embeddings:
@@ -67,8 +92,11 @@ def weight_bytes_read(args: LlamaArgs, dtype: torch.dtype = torch.bfloat16) -> i
         a.dim * (a.n_heads + 2 * a.n_kv_heads) * a.head_dim  # q, k, v
         + a.n_heads * a.head_dim * a.dim  # o
         + 3 * a.dim * a.intermediate_size  # gate, up, down
-        + 2 * a.dim  # norms
+        + (4 if a.family.sandwich_norms else 2) * a.dim  # norms
+        + (2 * a.head_dim if a.family.qk_norm else 0)  # q/k norms
     )
+    if a.qkv_bias:
+        per_layer += (a.n_heads + 2 * a.n_kv_heads) * a.head_dim
     total = a.n_layers * per_layer + a.dim + a.vocab_size * a.dim  # + final norm + output layer
     return total * torch.tensor([], dtype=dtype).element_size()
 

@@ -244,11 +244,21 @@ def test_auto_attention_is_triton_on_cuda():
     assert graph.attention == ("triton" if HAS_TRITON else "sdpa")
 
 
+# The graph path's families: each one's layers at tiny sizes (Qwen3: q/k norms before RoPE, outside the fused kernels)
+GREEDY_FAMILIES = {"llama": SMALL, "qwen3": SHAPES["qwen3-8b"]}
+
+
+@pytest.mark.parametrize("family", list(GREEDY_FAMILIES))
 @pytest.mark.parametrize("attention", ATTENTIONS)
-def test_greedy_speculative_on_graphs_equals_unbatched_eager_fp32(attention):
-    dev = torch.device("cuda")
-    tiny = replace(SMALL, n_layers=2, dim=256, n_heads=8, n_kv_heads=2, head_dim=32, intermediate_size=512,
-                   vocab_size=512)
+def test_greedy_speculative_on_graphs_equals_unbatched_eager_fp32(attention, family):
+    greedy_speculative_on_graphs_equals_eager(GREEDY_FAMILIES[family], attention, torch.device("cuda"))
+
+
+def greedy_speculative_on_graphs_equals_eager(base, attention: str, dev: torch.device) -> None:
+    """Batched speculative decoding on graph runners (target and drafter of `base`'s family, float32, tiny
+    sizes) gives the unbatched eager target's greedy tokens, token for token."""
+    tiny = replace(base, n_layers=2, dim=256, n_heads=8, n_kv_heads=2, head_dim=32, intermediate_size=512,
+                   vocab_size=512, sliding_layers=None if base.sliding_layers is None else base.sliding_layers[:2])
     draft_shape = replace(tiny, n_layers=1)
     prompts = [[5, 17, 33, 17, 33, 9], list(range(40, 70)), [100, 7], [9] * 14, [4, 4, 8, 15, 16, 23, 42]]
     max_tokens = [40, 9, 33, 5, 21]
@@ -267,7 +277,8 @@ def test_greedy_speculative_on_graphs_equals_unbatched_eager_fp32(attention):
     assert engine.target.attention == drafter.model.attention == attention
     got = [r.token_ids for r in engine.generate_batch(prompts, params, SpecParams(5))]
     assert got == ref
-    assert engine.target.stats.captures > 0 and engine.target.stats.graph_calls > engine.target.stats.eager_calls
+    assert engine.target.stats.captures > 0 or dev.type != "cuda"
+    assert engine.target.stats.graph_calls > engine.target.stats.eager_calls
     # Neither model's steps read their positions back from the device: the engine and the drafter pass them
     # (and the slots) on the host.
     assert engine.target.stats.host_syncs == 0 and drafter.model.stats.host_syncs == 0
