@@ -10,6 +10,7 @@ import json
 import math
 import os
 import sys
+import time
 from dataclasses import replace
 
 # (id, M, N, K, dtype, bias, block_n, block_k, splits, transposed x)
@@ -429,10 +430,12 @@ def main() -> int:
     runs += [(c, lambda c=c: fused_graph_case(torch, c)) for c in FUSED_GRAPH_CASES]
     runs += [(c[0], lambda c=c: tp_fused_case(torch, fl, *c[1:])) for c in TP_FUSED_CASES]
     for case_id, fn in runs:
+        t0 = time.perf_counter()
         try:
             results[case_id] = fn()
         except Exception as e:  # noqa: BLE001 - reported per case
             results[case_id] = {"error": f"{type(e).__name__}: {e}"}
+        results[case_id]["s"] = round(time.perf_counter() - t0, 2)  # the interpreter is slow: where time goes
     print(json.dumps(results))
     return 0
 
