@@ -36,7 +36,7 @@ def demo_path():
     return str(resolve(None))
 
 
-# `make test` runs the suite on three pytest-xdist workers. Tests that start servers run in three groups, each whole
+# `make test` runs the suite on two pytest-xdist workers. Tests that start servers run in three groups, each whole
 # and in file order on one worker (the scheduler below); every other module runs whole on any worker.
 # - RAY_SESSIONS: two groups of tests on a local Ray and Serve of their worker (tests/support/serve.py), which stays
 #   up until the worker ends. The `ray up` cluster tests go first in theirs (they launch a cluster of their own and
