@@ -20,7 +20,7 @@ generate: setup
 
 test: setup-test
 	.venv/bin/ruff check .
-	.venv/bin/python -m pytest -q --durations=25
+	.venv/bin/python -m pytest -q -n 2 --durations=25
 
 bench: setup
 	.venv/bin/specserve bench

@@ -52,7 +52,7 @@ from deployments.messages import (
 )
 from deployments.protocol import APIError
 from deployments.redis_state import NotOwner, RequestStore, redis_url_getter
-from deployments.workers import CACHE_MISS, WorkerPool, is_actor_lost
+from deployments.workers import CACHE_MISS, STALE, WorkerPool, is_actor_lost
 from pipeline.config import SpecParams
 from pipeline.drafters import ProposeRow, lookup_first, lookup_part
 from pipeline.models.loader import load_tokenizer
@@ -80,6 +80,7 @@ class _Run:
     """Mutable per-request loop state (never persisted: everything here can be rebuilt)."""
 
     spec: SpecParams
+    epoch: int = 1  # the request's ownership epoch (Redis counts take-overs): workers refuse calls of older ones
     target: Optional[str] = None
     target_handle: Any = None
     target_warm: bool = False  # the target worker holds this request's committed tokens
@@ -173,16 +174,18 @@ class Coordinator:
             return
         state = RequestState.from_dict(stored.state_dict(), self.tokenizer)
         spec = spec_from_json(stored.json("spec"))
-        async for events in self._loop(state, spec, prefer_target=stored.fields.get("target_worker")):
+        async for events in self._loop(state, spec, prefer_target=stored.fields.get("target_worker"),
+                                       epoch=int(stored.fields.get("epoch", 1))):
             events = [e for e in events if e.i > after]
             if events:
                 yield events
 
     # -- the loop --------------------------------------------------------------------------------------
     async def _loop(self, state: RequestState, spec: SpecParams, prefer_target: Optional[str],
-                    trace: Optional[dict] = None, run: Optional[_Run] = None) -> AsyncIterator[list[StepEvent]]:
+                    trace: Optional[dict] = None, run: Optional[_Run] = None,
+                    epoch: int = 1) -> AsyncIterator[list[StepEvent]]:
         if run is None:  # resumed: admitted at its first step, on its old target worker if that still lives
-            run = _Run(spec=spec)
+            run = _Run(spec=spec, epoch=epoch)
             run.target, run.maybe_warm = prefer_target, prefer_target is not None
         # Not made current: it spans the generator's yields. Steps name it as their parent via run.trace.
         span = tracing.start_span("coordinator.request", parent=trace, request_id=state.request_id,
@@ -232,7 +235,7 @@ class Coordinator:
             while not state.finished:
                 if run.persist is not None and run.persist.done() and run.persist.exception() is not None:
                     if isinstance(run.persist.exception(), NotOwner):
-                        raise APIError("this request was taken over by another stream", 409, code="taken_over")
+                        raise _taken_over()
                 queue.put_nowait(await self._step(run, state))
             if self.lookup is not None:
                 retire(self.lookup, state)  # suffix decoding learns the output; prompt lookup forgets the request
@@ -258,7 +261,7 @@ class Coordinator:
         draft, guess = await self._draft(run, state, want) if want > 0 else (Draft([]), None)
         t1 = time.perf_counter()
         call = VerifyCall(request_id=state.request_id, start=state.length - 1, pending=state.last_token, draft=draft,
-                          params=state.params, step=state.step)
+                          params=state.params, step=state.step, epoch=run.epoch)
         verify_task = asyncio.ensure_future(self._verify(run, call, state))
         if guess is not None and self._overlap_wanted(run, state.step + 1):
             self._predraft(run, state, draft, guess)
@@ -333,7 +336,7 @@ class Coordinator:
                 got = await pre.task
             except Exception:  # noqa: BLE001 - a lost drafter: fall through to a fresh draft
                 got = None
-            if got is not None and got != CACHE_MISS:
+            if got is not None and got not in (CACHE_MISS, STALE):
                 run.counters["overlap_hits"] += 1
                 run.drafter_base = pre.base_after
                 return _split_guess(got, want)
@@ -357,7 +360,7 @@ class Coordinator:
                     continue
             base = run.drafter_base if run.drafter_base >= 0 else 0
             call = ProposeCall(state.request_id, base, state.context_view[base:], want + extra, state.params,
-                               state.step, run.spec.draft_top_k)
+                               state.step, run.spec.draft_top_k, run.epoch)
             try:
                 got = await asyncio.wait_for(_call(run.drafter_handle.propose, call),
                                              self.cfg.coordinator.draft_timeout_s)
@@ -366,6 +369,8 @@ class Coordinator:
                     raise
                 self._drafter_lost(run)
                 continue
+            if got == STALE:
+                raise _taken_over()
             if got == CACHE_MISS:
                 run.drafter_base = -1
                 continue
@@ -391,7 +396,7 @@ class Coordinator:
         tail = [*draft.tokens, guess]
         ctx_len = state.length
         call = ProposeCall(state.request_id, ctx_len, tail, want_next + extra, state.params, state.step + 1,
-                           run.spec.draft_top_k)
+                           run.spec.draft_top_k, run.epoch)
         ref = run.drafter_handle.propose.remote(call, _trace())
         task = asyncio.ensure_future(asyncio.wait_for(_await(ref), self.cfg.coordinator.draft_timeout_s))
         run.pre = _PendingPropose(state.step + 1, ctx_len + len(tail), tail, task, ctx_len + len(tail), ref)
@@ -437,6 +442,8 @@ class Coordinator:
                 run.counters["target_failovers"] += 1
                 call.prefix = state.context[:-1]
                 continue
+            if verdict == STALE:
+                raise _taken_over()
             if verdict == CACHE_MISS:
                 run.counters["target_replays"] += 1
                 call.prefix = state.context[:-1]
@@ -475,7 +482,7 @@ class Coordinator:
             try:
                 answer = await handle.admit.remote(rid, bounded)
             except asyncio.CancelledError:
-                handle.release.remote([rid])  # gave up waiting (client gone): leave the queue
+                handle.release.remote([rid], run.epoch)  # gave up waiting (client gone): leave the queue
                 self.targets.release(name)
                 run.target_handle = None
                 raise
@@ -549,11 +556,11 @@ class Coordinator:
         self._drop_predraft(run)
         if run.target_handle is not None:
             self.targets.release(run.target)
-            run.target_handle.release.remote([rid])
+            run.target_handle.release.remote([rid], run.epoch)
             run.target_handle = None
         if run.drafter_handle is not None:
             self.drafters.release(run.drafter)
-            run.drafter_handle.release.remote([rid])
+            run.drafter_handle.release.remote([rid], run.epoch)
             run.drafter_handle = None
 
     def _gauge(self) -> None:
@@ -580,6 +587,11 @@ async def _guard(events: AsyncIterator[list[StepEvent]]) -> AsyncIterator[list[S
         logger.exception("request loop failed")
         yield [_error_event(APIError(f"internal error: {type(err).__name__}: {err}", 500, "internal_error",
                                      code="internal_error"))]
+
+
+def _taken_over() -> APIError:
+    """Another coordinator owns the request now (its client resumed elsewhere, or this one was thought lost)."""
+    return APIError("this request was taken over by another stream", 409, code="taken_over")
 
 
 def _error_event(err: APIError) -> ErrorEvent:

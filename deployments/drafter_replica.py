@@ -26,7 +26,7 @@ from deployments.admission import SlotQueue
 from deployments.batching import StepBatcher
 from deployments.config import DRAFTER, AppConfig
 from deployments.messages import ProposeCall
-from deployments.workers import CACHE_MISS, ModelHost, kv_slots, spawn_workers, warm_up
+from deployments.workers import CACHE_MISS, STALE, EpochFence, ModelHost, kv_slots, spawn_workers, warm_up
 from pipeline.compat import IncompatibleDrafter
 from pipeline.config import is_synthetic
 from pipeline.cross_tokenizer import CrossTokenizerDrafter, cross_tokenizer_problem, same_vocabulary
@@ -75,6 +75,7 @@ class DrafterWorker:
                 logger.info("drafter %s: another tokenizer than the target's; drafting through text", model)
                 self.drafter = CrossTokenizerDrafter(self.drafter, target_tok, draft_tok)
         self._ctx: dict[str, list[int]] = {}
+        self.epochs = EpochFence()  # calls of a coordinator that lost the request are refused (STALE)
         # Admission is never refused here (max_waiting: every request that holds a target slot may queue).
         self.slots = SlotQueue(num_slots, max_waiting=1 << 30, on_free=self._free_later,
                                on_queue=lambda n: metrics.set_admission_queue(n, DRAFTER.lower()))
@@ -103,13 +104,16 @@ class DrafterWorker:
         return waited
 
     async def propose(self, row: ProposeCall, trace: Optional[dict] = None) -> Draft | str:
-        """-> the row's Draft (with the sparse distribution it was drawn from), or CACHE_MISS."""
+        """-> the row's Draft (with the sparse distribution it was drawn from), CACHE_MISS, or STALE."""
         with tracing.span("drafter.propose", parent=trace, request_id=row.request_id, base=row.base,
                           num_draft=row.num_draft):
             self.slots.touch(row.request_id)
             return await self.batcher.submit(row.request_id, row)
 
-    async def release(self, request_ids: Sequence[str]) -> None:
+    async def release(self, request_ids: Sequence[str], epoch: int = 0) -> None:
+        """Free the requests' slots and state. A release by an older owner than the newest one served (`epoch`
+        below it: a coordinator that lost the request) is ignored; 0 releases unconditionally."""
+        request_ids = [rid for rid in request_ids if self.epochs.current(rid, epoch)]
         for rid in request_ids:
             self.batcher.forget(rid)
         try:
@@ -126,6 +130,7 @@ class DrafterWorker:
     def _release(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             self._ctx.pop(rid, None)
+            self.epochs.forget(rid)
             self.drafter.release(rid)
 
     def _run_batch(self, calls: Sequence[ProposeCall]) -> list[Any]:
@@ -134,6 +139,9 @@ class DrafterWorker:
         results: list[Any] = [None] * len(calls)
         live, rows = [], []
         for b, c in enumerate(calls):
+            if not self.epochs.admits(c.request_id, c.epoch):  # its coordinator lost the request
+                results[b] = STALE
+                continue
             held = self._ctx.get(c.request_id)
             if held is None and c.base > 0 or held is not None and len(held) < c.base:
                 results[b] = CACHE_MISS

@@ -44,6 +44,7 @@ class ProposeCall:
     params: SamplingParams  # seed fixed
     step: int  # the target pass these drafts are for (randomness key)
     draft_top_k: int
+    epoch: int = 1  # the caller's ownership epoch of the request (workers refuse older ones: `EpochFence`)
 
 
 @dataclass
@@ -57,6 +58,7 @@ class VerifyCall:
     params: SamplingParams  # seed fixed
     step: int  # the request's target-pass counter (randomness key)
     prefix: Optional[list[int]] = None  # committed tokens [0, start) when the cache may lack them
+    epoch: int = 1  # the caller's ownership epoch of the request (workers refuse older ones: `EpochFence`)
 
     @property
     def cost(self) -> int:

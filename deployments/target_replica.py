@@ -36,7 +36,7 @@ from deployments.batching import AGAIN, StepBatcher
 from deployments.config import TARGET, AppConfig
 from deployments.messages import PREFILL_CHUNK, VerifyCall
 from deployments.tp_group import leader_runner, spawn_tensor_parallel_workers
-from deployments.workers import CACHE_MISS, ModelHost, kv_slots, spawn_workers, warm_up
+from deployments.workers import CACHE_MISS, STALE, EpochFence, ModelHost, kv_slots, spawn_workers, warm_up
 from pipeline.models.graphs import graphs_on_cuda
 from pipeline.models.loader import load_model
 from pipeline.sampling import SamplingTensors
@@ -73,6 +73,7 @@ class TargetWorker:
         self.num_slots = num_slots
         self._fed: dict[str, int] = {}  # request id -> positions [0, fed) written by its calls in its slot
         self._prefilling: dict[str, int] = {}  # request id -> prompt tokens prefilled so far (chunked)
+        self.epochs = EpochFence()  # calls of a coordinator that lost the request are refused (STALE)
         self.slots = SlotQueue(num_slots, max_waiting, on_free=self._drop_cache,
                                on_queue=lambda n: metrics.set_admission_queue(n, TARGET.lower()))
         self.batcher = StepBatcher(self._run_batch, num_slots, batch_wait_ms, name="target",
@@ -113,8 +114,8 @@ class TargetWorker:
         return slot, waited
 
     async def verify(self, row: VerifyCall, trace: Optional[dict] = None) -> Verdict | str:
-        """-> the row's Verdict, CACHE_MISS, or PREEMPTED (its slot was taken back under memory pressure). A request
-        not admitted yet (e.g. its slot was reclaimed) first waits for a slot."""
+        """-> the row's Verdict, CACHE_MISS, STALE (an older owner's call), or PREEMPTED (its slot was taken back under
+        memory pressure). A request not admitted yet (e.g. its slot was reclaimed) first waits for a slot."""
         with tracing.span("target.verify", parent=trace, request_id=row.request_id, start=row.start,
                           num_draft=len(row.draft.tokens), prefill=row.prefix is not None):
             if self.slots.slot_of(row.request_id) is None:
@@ -122,7 +123,10 @@ class TargetWorker:
             self.slots.touch(row.request_id)
             return await self.batcher.submit(row.request_id, row)
 
-    async def release(self, request_ids: Sequence[str]) -> None:
+    async def release(self, request_ids: Sequence[str], epoch: int = 0) -> None:
+        """Free the requests' slots and state. A release by an older owner than the newest one served (`epoch`
+        below it: a coordinator that lost the request) is ignored; 0 releases unconditionally."""
+        request_ids = [rid for rid in request_ids if self.epochs.current(rid, epoch)]
         for rid in request_ids:
             self.batcher.forget(rid)
         try:
@@ -134,6 +138,7 @@ class TargetWorker:
     def _release(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             self._drop_cache(rid)
+            self.epochs.forget(rid)
 
     def _drop_cache(self, rid: str) -> None:
         """The request's slot is no longer its own: forget what was fed there."""
@@ -170,6 +175,9 @@ class TargetWorker:
         live: list[int] = []
         with torch.inference_mode():
             for b, r in enumerate(rows):
+                if not self.epochs.admits(r.request_id, r.epoch):  # its coordinator lost the request
+                    results[b] = STALE
+                    continue
                 if self.slots.slot_of(r.request_id) is None:  # released while its call was queued
                     results[b] = PREEMPTED
                     continue

@@ -30,6 +30,32 @@ logger = logging.getLogger(__name__)
 
 WORKER_NAMESPACE = "specserve-workers"
 CACHE_MISS = "cache_miss"  # a worker's answer when it lacks a request's committed tokens
+STALE = "stale"  # a worker's answer to a call of a coordinator that no longer owns the request
+
+
+class EpochFence:
+    """Per request, the newest ownership epoch a worker's passes have served (Redis counts one up at every take-over).
+
+    A coordinator that dies leaves calls behind: queued in a worker, or still on the way. Run after the new owner's
+    calls, a stale pre-draft would overwrite the drafter's mirror of the context with a guess the new owner never
+    made, and its later drafts would differ from the undisturbed run's (a seeded request would no longer replay).
+    Checked in the pass, in execution order: a call older than the newest epoch served is answered STALE."""
+
+    def __init__(self) -> None:
+        self._newest: dict[str, int] = {}
+
+    def admits(self, request_id: str, epoch: int) -> bool:
+        if epoch < self._newest.get(request_id, 0):
+            return False
+        self._newest[request_id] = epoch
+        return True
+
+    def current(self, request_id: str, epoch: int) -> bool:
+        """Whether a caller of `epoch` still owns the request here (0: a caller that owns every request)."""
+        return epoch == 0 or epoch >= self._newest.get(request_id, 0)
+
+    def forget(self, request_id: str) -> None:
+        self._newest.pop(request_id, None)
 
 
 def warm_up(model: Any, max_batch_size: int, role: str) -> int:

@@ -36,18 +36,21 @@ def demo_path():
     return str(resolve(None))
 
 
-# `pytest -n 2` runs the suite on two pytest-xdist workers. Tests that start servers run in one of two groups,
-# each on one worker, in file order (the scheduler below); every other module runs whole on either worker.
-# - RAY_SESSION: the `ray up` cluster tests first (they launch a cluster of their own and time its autoscaling, so
-#   they go before this worker starts the session's local Ray), then every test on that local Ray and Serve
-#   (tests/support/serve.py), which stays up until the worker ends.
+# `make test` runs the suite on two pytest-xdist workers. Tests that start servers run in three groups, each whole
+# and in file order on one worker (the scheduler below); every other module runs whole on any worker.
+# - RAY_SESSIONS: two groups of tests on a local Ray and Serve of their worker (tests/support/serve.py), which stays
+#   up until the worker ends. The `ray up` cluster tests go first in theirs (they launch a cluster of their own and
+#   time its autoscaling, so they run before their worker starts the local Ray).
 # - OWN_SERVERS: tests that run `specserve serve` (or the soak around it) as a process with a Ray of its own.
-RAY_SESSION = ("tests/ops/test_ray_up.py", "tests/deployments/test_admission_serve.py",
-               "tests/deployments/test_api_keys.py", "tests/deployments/test_app.py",
-               "tests/deployments/test_demo_app.py", "tests/deployments/test_fuzz.py",
-               "tests/deployments/test_ingress_strict.py", "tests/deployments/test_one_step.py",
-               "tests/deployments/test_tp_serve.py", "tests/specserve/test_chaos.py")
+RAY_SESSIONS = {
+    "ray-cluster": ("tests/ops/test_ray_up.py", "tests/deployments/test_tp_serve.py", "tests/specserve/test_chaos.py"),
+    "ray-apps": ("tests/deployments/test_admission_serve.py", "tests/deployments/test_api_keys.py",
+                 "tests/deployments/test_app.py", "tests/deployments/test_demo_app.py",
+                 "tests/deployments/test_fuzz.py", "tests/deployments/test_ingress_strict.py",
+                 "tests/deployments/test_one_step.py"),
+}
 OWN_SERVERS = ("tests/specserve/test_served.py", "tests/specserve/test_serve_signals.py", "tests/ops/test_soak.py")
+FIRST = "tests/ops/test_ray_up.py"
 
 
 def pytest_configure(config):
@@ -64,7 +67,7 @@ def _module(nodeid: str) -> str:
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's scope scheduling with the two groups above as scopes, and each other module its own (so a module's
+    """xdist's scope scheduling with the groups above as scopes, and each other module its own (so a module's
     fixtures, such as the Triton interpreter runs, are built once): a scope runs whole, in order, on one worker;
     the largest go out first."""
     from xdist.scheduler import LoadScopeScheduling
@@ -72,12 +75,13 @@ def pytest_xdist_make_scheduler(config, log):
     class GroupScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = _module(nodeid)
-            return "ray-session" if module in RAY_SESSION else "own-servers" if module in OWN_SERVERS else module
+            group = next((name for name, modules in RAY_SESSIONS.items() if module in modules), None)
+            return group or ("own-servers" if module in OWN_SERVERS else module)
 
     return GroupScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
-    first = [item for item in items if _module(item.nodeid) == RAY_SESSION[0]]
+    first = [item for item in items if _module(item.nodeid) == FIRST]
     ids = {id(item) for item in first}
     items[:] = first + [item for item in items if id(item) not in ids]

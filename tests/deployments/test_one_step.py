@@ -114,6 +114,59 @@ def test_serve_workers_run_the_engines_steps(tiny_models, engine, sampling):
     assert state.output_ids == result.token_ids
 
 
+def test_calls_of_a_coordinator_that_lost_the_request_change_nothing(tiny_models):
+    """A coordinator that dies, or loses its request to another (a client resumed elsewhere), leaves calls behind:
+    queued in a worker or still on the way. Run after the new owner's calls (a higher ownership epoch), they are
+    refused (STALE) and change nothing: the drafter's mirror of the context (a stale pre-draft carries a guess the new
+    owner never made), the drafts that follow, the target's cache; the old owner's release frees nothing."""
+    from deployments.drafter_replica import DrafterWorker
+    from deployments.messages import ProposeCall, VerifyCall
+    from deployments.target_replica import TargetWorker
+    from deployments.workers import STALE
+    from pipeline.config import SamplingParams
+    from pipeline.step import Draft
+
+    params = SamplingParams(temperature=0.9, seed=11, max_tokens=64, ignore_eos=True)
+    ctx = [7, 19, 3, 88, 41, 5, 60, 2]
+    drafter = DrafterWorker(str(tiny_models["draft"]), max_batch_size=2, max_seq_len=MAX_SEQ_LEN)
+    target = TargetWorker(str(tiny_models["llama"]), max_batch_size=2, max_seq_len=MAX_SEQ_LEN)
+    for worker in (target, drafter):
+        asyncio.run(worker.admit("r"))
+
+    def propose(worker, base, new, step, epoch):
+        return worker._run_batch([ProposeCall("r", base, new, K, params, step, 64, epoch=epoch)])[0]
+
+    def verify(worker, context, draft, step, epoch, prefix=False):
+        call = VerifyCall("r", len(context) - 1, context[-1], draft, params, step,
+                          prefix=context[:-1] if prefix else None, epoch=epoch)
+        return worker._run_batch([call])[0]
+
+    first = propose(drafter, 0, ctx, 0, epoch=1)  # the first owner drafts step 0, then dies
+    verdict = verify(target, ctx, first, 0, epoch=2, prefix=True)  # the new owner's step 0
+    assert propose(drafter, 0, ctx, 0, epoch=2).tokens == first.tokens
+    # The dead owner's pre-draft for step 1 (its draft plus a guessed bonus token) and its verify arrive late.
+    assert propose(drafter, len(ctx), [*first.tokens, 99], 1, epoch=1) == STALE
+    assert drafter._ctx["r"] == ctx
+    assert verify(target, ctx, Draft([99, 98, 97]), 0, epoch=1) == STALE
+    # The new owner's next step drafts what a drafter that never saw the stale call drafts, and verifies the same.
+    ctx1 = ctx + verdict.tokens
+    fresh = DrafterWorker(str(tiny_models["draft"]), max_batch_size=2, max_seq_len=MAX_SEQ_LEN)
+    asyncio.run(fresh.admit("r"))
+    want = propose(fresh, 0, ctx1, 1, epoch=1)
+    got = propose(drafter, len(ctx), verdict.tokens, 1, epoch=2)
+    assert got.tokens == want.tokens
+    clean = TargetWorker(str(tiny_models["llama"]), max_batch_size=2, max_seq_len=MAX_SEQ_LEN)
+    asyncio.run(clean.admit("r"))
+    assert verify(target, ctx1, got, 1, epoch=2).tokens == verify(clean, ctx1, got, 1, epoch=1, prefix=True).tokens
+    # The old owner's release is ignored; the owner's frees the slots.
+    for worker in (drafter, target):
+        asyncio.run(worker.release(["r"], 1))
+        assert worker.slots.slot_of("r") is not None
+        asyncio.run(worker.release(["r"], 2))
+        assert worker.slots.slot_of("r") is None
+    assert "r" not in drafter._ctx and "r" not in target._fed
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sampling", SAMPLING, ids=["greedy", "seeded"])
 def test_engine_and_serve_run_the_same_steps(server, engine, sampling):

@@ -35,7 +35,7 @@ def _clean_env() -> dict[str, str]:
 
 def test_off_by_default_is_a_shared_noop_and_never_imports_the_sdk():
     code = textwrap.dedent("""
-        import sys, time
+        import sys
         from deployments import tracing
         s = tracing.span("x", k=4)
         assert s is tracing.NOOP_SPAN, s
@@ -44,16 +44,12 @@ def test_off_by_default_is_a_shared_noop_and_never_imports_the_sdk():
         assert tracing.inject() == {}
         assert tracing.extract({"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}) is None
         assert not tracing.enabled()
-        t = time.perf_counter()
-        for _ in range(100_000):
-            with tracing.span("step", k=4, accepted=3):
-                pass
+        for _ in range(1000):
+            with tracing.span("step", k=4, accepted=3) as step:
+                assert step is tracing.NOOP_SPAN
             tracing.inject()
-        per_call = (time.perf_counter() - t) / 100_000
         leaked = [m for m in sys.modules if m.startswith("opentelemetry")]
-        print(per_call, leaked)
         assert not leaked, leaked
-        assert per_call < 5e-6, per_call
     """)
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_clean_env(), capture_output=True,
                          text=True, timeout=60)

@@ -258,7 +258,7 @@ def test_load_scales_up_metrics_agree_then_scales_down(deployed):
         summary=loadgen.run(config, [[1, 2, 3, 4, 5, 6, 7, 8]], d.c.tmp / "load", progress=False)), daemon=True)
     runner.start()
     stop.wait(90)
-    deadline = t + config.duration_s + 30  # the load runs its duration out
+    deadline = t + config.duration_s + config.timeout_s  # its duration, then its last requests (each bounded)
     while runner.is_alive() and time.time() < deadline:
         time.sleep(0.5)
     summary = holder.get("summary")
