@@ -218,8 +218,9 @@ class Eagle3Head(nn.Module):
             keys.append(k.transpose(1, 2))
             values.append(v.transpose(1, 2))
             mask = torch.cat([causal] + [eye] * d, dim=1)  # [T, (d+1) T]
+            gqa = c.num_attention_heads != c.num_key_value_heads
             y = F.scaled_dot_product_attention(q.transpose(1, 2), torch.cat(keys, 2), torch.cat(values, 2),
-                                               attn_mask=mask, enable_gqa=c.num_attention_heads != c.num_key_value_heads)
+                                               attn_mask=mask, enable_gqa=gqa)
             logits, h = self._out(h, y.transpose(1, 2).reshape(B, T, -1))
             outs.append(logits)
         return outs

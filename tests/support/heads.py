@@ -83,7 +83,8 @@ def medusa_reference(target, folder: Path, context: list[int], k: int) -> list[i
     """Greedy Medusa drafts after `context` (its last token pending): the heads on the final normed state of the
     position before the pending token."""
     raw = json.loads((folder / "config.json").read_text())
-    state = {k_.removeprefix("medusa_head."): v for k_, v in load_file(str(folder / "medusa_lm_head.safetensors")).items()}
+    raw_state = load_file(str(folder / "medusa_lm_head.safetensors"))
+    state = {k_.removeprefix("medusa_head."): v for k_, v in raw_state.items()}
     L = raw["medusa_num_layers"]
     h = target_states(target, context[:-1])[-1][-1]
     drafts = []
