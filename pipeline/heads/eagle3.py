@@ -212,15 +212,16 @@ class Eagle3Head(nn.Module):
         idx = torch.arange(T, device=dev)
         causal = idx[None, :] <= idx[:, None]  # [T, T]
         eye = torch.eye(T, dtype=torch.bool, device=dev)
+        G = c.num_attention_heads // c.num_key_value_heads
         for d in range(depth):
             toks = F.pad(tokens[:, d:], (0, d))  # the token after position p + d
             q, k, v = self._qkv(toks, h, (idx + d)[None].expand(B, T))
-            keys.append(k.transpose(1, 2))
-            values.append(v.transpose(1, 2))
+            # K/V repeated per query head: SDPA's memory-efficient kernel takes a mask, not grouped heads
+            keys.append(k.repeat_interleave(G, dim=2).transpose(1, 2))  # [B, H, T, D]
+            values.append(v.repeat_interleave(G, dim=2).transpose(1, 2))
             mask = torch.cat([causal] + [eye] * d, dim=1)  # [T, (d+1) T]
-            gqa = c.num_attention_heads != c.num_key_value_heads
             y = F.scaled_dot_product_attention(q.transpose(1, 2), torch.cat(keys, 2), torch.cat(values, 2),
-                                               attn_mask=mask, enable_gqa=gqa)
+                                               attn_mask=mask)
             logits, h = self._out(h, y.transpose(1, 2).reshape(B, T, -1))
             outs.append(logits)
         return outs
