@@ -88,12 +88,13 @@ def main() -> None:
     try:
         results["eagle3"] = distill(cfg)
         folders["eagle3"] = out
-        if medusa_need and left() >= medusa_need:
+        if medusa_need and left() >= args.medusa_margin + 10:  # a shorter training if the first run overran
             m_out = out.parent / (out.name + "_medusa")
             _link_data(out / "work", m_out / "work")
             # Medusa's heads write the whole vocabulary: smaller batches keep their logits within memory.
             m_cfg = dataclasses.replace(cfg, method="medusa", out=str(m_out), gen_seconds=0.0, gen_graphs=False,
-                                        gen_compile=False, train_seconds=args.medusa_seconds,
+                                        gen_compile=False,
+                                        train_seconds=min(args.medusa_seconds, left() - args.medusa_margin),
                                         batch_tokens=max(cfg.max_seq_len, min(cfg.batch_tokens, 8192)),
                                         wall_seconds=left() if args.wall_seconds else None,
                                         wall_reserve=min(cfg.wall_reserve, 30.0))
