@@ -37,6 +37,7 @@ from pipeline.config import (
     PROMPT_LOOKUP,
     SUFFIX,
     draft_model_spec,
+    is_head,
     is_synthetic,
     parse_synthetic,
 )
@@ -147,6 +148,9 @@ class DrafterConfig(_Strict):
                              f"(folder, .gguf or shipped name), '{HYBRID_PREFIX}MODEL' or '{NO_DRAFT}'")
         if is_synthetic(v):
             parse_synthetic(v)  # a ValueError names the expected form
+        if is_head(v):
+            raise ValueError(f"drafter.draft={v!r}: feature heads (medusa:DIR, eagle3:DIR) run in process only "
+                             "(specserve generate, bench, SpeculativeEngine); Serve does not place them yet")
         return v
 
     @property

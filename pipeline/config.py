@@ -19,13 +19,24 @@ NO_DRAFT = "none"  # target-only decoding (the Python API says None)
 DEFAULT_DRAFT = "default"  # the target's default drafter (pipeline.engine.default_draft)
 # "synthetic:ALPHA:SHAPE:RECORDING": a measurement drafter with known acceptance (pipeline.synthetic)
 SYNTHETIC_PREFIX = "synthetic:"
+# "medusa:DIR", "eagle3:DIR": a feature head reading the target's hidden states (pipeline.heads)
+MEDUSA_PREFIX = "medusa:"
+EAGLE3_PREFIX = "eagle3:"
 # anything else names a draft model: a folder, a .gguf file or a shipped drafter's name
 
 
+def is_head(spec: str | None) -> bool:
+    """Whether a drafter word (or a hybrid's model part) names a feature head (`medusa:DIR`, `eagle3:DIR`)."""
+    if spec is not None and spec.startswith(HYBRID_PREFIX):
+        spec = spec[len(HYBRID_PREFIX):]
+    return spec is not None and spec.startswith((MEDUSA_PREFIX, EAGLE3_PREFIX))
+
+
 def draft_model_spec(spec: str) -> str | None:
-    """The draft model a drafter spec names (for a hybrid, its model part); None for prompt lookup, suffix or none.
-    A synthetic drafter's word is its own model spec (it runs where draft models run)."""
-    if spec in (PROMPT_LOOKUP, SUFFIX, NO_DRAFT):
+    """The draft model a drafter spec names (for a hybrid, its model part); None for prompt lookup, suffix, none and
+    the feature heads (they run with the target, not as a model of their own). A synthetic drafter's word is its own
+    model spec (it runs where draft models run)."""
+    if spec in (PROMPT_LOOKUP, SUFFIX, NO_DRAFT) or is_head(spec):
         return None
     return spec[len(HYBRID_PREFIX):] if spec.startswith(HYBRID_PREFIX) else spec
 

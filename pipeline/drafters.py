@@ -24,6 +24,7 @@ from pipeline.config import (  # noqa: F401 - draft_model_spec: re-exported
     PROMPT_LOOKUP,
     SUFFIX,
     draft_model_spec,
+    is_head,
     is_synthetic,
 )
 from pipeline.models.base import CausalLM
@@ -280,12 +281,23 @@ class ModelDrafter:
     def _sparse(
         self, logits: torch.Tensor, sampling: SamplingTensors, top_k: int
     ) -> tuple[torch.Tensor, torch.Tensor]:  # ids [B, k'] (real token ids), probs [B, k'] (sum to 1)
-        probs = warp(logits[:, None, :], sampling)[:, 0]  # [B, V']
-        k = min(top_k, probs.shape[-1])
-        top_probs, top_idx = probs.topk(k, dim=-1)  # [B, k]
-        top_probs = top_probs / top_probs.sum(-1, keepdim=True)
-        ids = top_idx if self._out_ids is None else self._out_ids.to(top_idx.device)[top_idx]
-        return ids, top_probs
+        return sparse_draft(logits, sampling, top_k, self._out_ids)
+
+
+def sparse_draft(
+    logits: torch.Tensor,  # [B, V'] float32 draft logits (V' < V: a reduced draft vocabulary)
+    sampling: SamplingTensors,  # per row
+    top_k: int,
+    out_ids: torch.Tensor | None = None,  # [V'] int64: logit j is token out_ids[j]; None: logit j is token j
+) -> tuple[torch.Tensor, torch.Tensor]:  # ids [B, k'] (real token ids), probs [B, k'] (sum to 1)
+    """The distribution a model drafter samples from and ships: its logits warped as the target's are, cut to the
+    top-k and renormalised (the verifier gets exactly this distribution, so acceptance stays exact)."""
+    probs = warp(logits[:, None, :], sampling)[:, 0]  # [B, V']
+    k = min(top_k, probs.shape[-1])
+    top_probs, top_idx = probs.topk(k, dim=-1)  # [B, k]
+    top_probs = top_probs / top_probs.sum(-1, keepdim=True)
+    ids = top_idx if out_ids is None else out_ids.to(top_idx.device)[top_idx]
+    return ids, top_probs
 
 
 def _as_list(context: Sequence[int]) -> list[int]:
@@ -385,10 +397,12 @@ def lookup_part(spec: str | None):
     return hybrid_lookup() if spec is not None and spec.startswith(HYBRID_PREFIX) else None
 
 
-def build_drafter(spec: str | None, target_info, tokenizer, device: str = "cpu", dtype: str = "float32"):
+def build_drafter(spec: str | None, target_info, tokenizer, device: str = "cpu", dtype: str = "float32",
+                  target: CausalLM | None = None):
     """A drafter from its spec (the drafter vocabulary of pipeline.config): None or "none" (no speculation),
     "prompt-lookup", "suffix" (`pipeline.suffix.SuffixDrafter`), a draft model (folder, .gguf or store name),
-    "lookup+MODEL" (`HybridDrafter`), or "synthetic:ALPHA:SHAPE:RECORDING" (`pipeline.synthetic.SyntheticDrafter`,
+    "lookup+MODEL" (`HybridDrafter`), "medusa:DIR" / "eagle3:DIR" (a feature head on `target`'s hidden states,
+    `pipeline.heads.drafter.HeadDrafter`), or "synthetic:ALPHA:SHAPE:RECORDING" (`pipeline.synthetic.SyntheticDrafter`,
     a measurement aid). A draft model of the target's vocabulary passes the compatibility check
     (`pipeline.compat.check_compatible`); one of another vocabulary drafts through text
     (`pipeline.cross_tokenizer.CrossTokenizerDrafter`, logged) unless `cross_tokenizer_problem` says why it cannot,
@@ -398,7 +412,13 @@ def build_drafter(spec: str | None, target_info, tokenizer, device: str = "cpu",
     if spec in (PROMPT_LOOKUP, SUFFIX):
         return lookup_part(spec)
     if spec.startswith(HYBRID_PREFIX):
-        return HybridDrafter(build_drafter(spec[len(HYBRID_PREFIX):], target_info, tokenizer, device, dtype))
+        return HybridDrafter(build_drafter(spec[len(HYBRID_PREFIX):], target_info, tokenizer, device, dtype, target))
+    if is_head(spec):
+        from pipeline.heads.drafter import HeadDrafter
+
+        if target is None:
+            raise ValueError(f"drafter {spec!r} reads the target's hidden states: build it with the target model")
+        return HeadDrafter.from_spec(spec, target)
     if is_synthetic(spec):  # a measurement aid: the recorded continuation at a set acceptance, a real model's time
         from pipeline.synthetic import SyntheticDrafter
 

@@ -108,6 +108,14 @@ class SpeculativeEngine:
             m = model_drafter.model
             if m.num_slots < self.config.max_batch_size or m.max_len < cache_len:
                 m.allocate(self.config.max_batch_size, cache_len)
+        self.head = _head_drafter(drafter)  # a feature head: the target's passes return the states it reads
+        self._feature_layers: tuple[int, ...] = ()
+        if self.head is not None:
+            if not hasattr(target, "forward_features"):
+                raise ValueError(f"drafter {self.head.name} reads the target's hidden states: the target "
+                                 f"{target.info.name} must run on the fast path")
+            self.head.allocate(self.config.max_batch_size, cache_len)
+            self._feature_layers = self.head.feature_layers
         self.timings = EngineTimings()
         self._free_slots = list(range(self.config.max_batch_size - 1, -1, -1))
         self._sampling: tuple[tuple[str, ...], SamplingTensors] | None = None  # the last step's rows and tensors
@@ -145,7 +153,7 @@ class SpeculativeEngine:
         model, tokenizer = load_model(str(resolve(target)), device=config.device, dtype=config.dtype)
         if draft == DEFAULT_DRAFT:
             draft = default_draft(target)
-        drafter = build_drafter(draft, model.info, tokenizer, config.device, config.dtype)
+        drafter = build_drafter(draft, model.info, tokenizer, config.device, config.dtype, target=model)
         return cls(model, tokenizer, drafter, config, k_policy=new_k_policy() if adaptive_k else None)
 
     # -- public API ------------------------------------------------------------------------------------
@@ -250,19 +258,30 @@ class SpeculativeEngine:
         self._free_slots.append(slot)
         if self.drafter is not None:
             retire(self.drafter, state)
+        if self.head is not None:
+            self.head.release(state.request_id)
 
     @torch.inference_mode()
     def _prefill(self, state: RequestState, slot: int) -> None:
         """Fill the target cache with all committed tokens but the last (which the first step feeds)."""
         ctx = state.context
+        features = None
         if len(ctx) > 1:
             t0 = time.perf_counter()
             tokens = torch.tensor([ctx[:-1]], dtype=torch.int64)
-            self.target.forward(tokens, torch.zeros(1, dtype=torch.int64), torch.tensor([slot]), len(ctx) - 2)
+            args = (tokens, torch.zeros(1, dtype=torch.int64), torch.tensor([slot]))
+            if self._feature_layers:  # the head reads the prompt's states: positions 0..L-2
+                features = self.target.forward_features(*args, self._feature_layers, len(ctx) - 2)[1][0]
+            else:
+                self.target.forward(*args, len(ctx) - 2)
             self.timings.target_s += time.perf_counter() - t0
         if self.drafter is not None:  # the drafter's own one-time work, out of the timed decode steps
             t0 = time.perf_counter()
             self.drafter.admit(state.request_id, ctx)
+            if self.head is not None:
+                self.head.admit(state.request_id, ctx)
+                if features is not None:
+                    self.head.observe(state.request_id, 0, features, ctx[1:])
             self.timings.draft_s += time.perf_counter() - t0
 
     @torch.inference_mode()
@@ -294,7 +313,10 @@ class SpeculativeEngine:
         pending = torch.tensor([s.last_token for s in states], dtype=torch.int64, device=device)
         positions = torch.tensor([s.length - 1 for s in states], dtype=torch.int64)  # on the host: no device sync
         verdicts = verify_and_accept(self.target, pending, draft, positions, torch.tensor(slots, dtype=torch.int64),
-                                     sampling, steps)
+                                     sampling, steps, self._feature_layers if self.drafter is not None else ())
+        if self.head is not None and self.drafter is not None:  # the states of the newly committed positions
+            for state, verdict in zip(states, verdicts):
+                self.head.observe(state.request_id, state.length - 1, verdict.features, verdict.tokens)
         t2 = time.perf_counter()
         K = draft.k
         self.timings.draft_s += t1 - t0
@@ -328,6 +350,15 @@ class SpeculativeEngine:
             seed=int(state.params.seed),
             stats=state.stats.summary(),
         )
+
+
+def _head_drafter(drafter: Drafter | None):  # -> pipeline.heads.drafter.HeadDrafter | None
+    """The feature head inside `drafter` (itself or a hybrid's model part), if any."""
+    from pipeline.heads.drafter import HeadDrafter
+
+    if isinstance(drafter, HybridDrafter):
+        drafter = drafter.model
+    return drafter if isinstance(drafter, HeadDrafter) else None
 
 
 def _model_drafter(drafter: Drafter | None) -> ModelDrafter | None:

@@ -160,6 +160,9 @@ class Verdict:
     num_draft: int  # draft tokens verified
     num_accepted: int  # of those, accepted
     tokens: list[int]  # emitted: the accepted drafts, then the recovered or bonus token (num_accepted + 1 ids)
+    # [num_accepted + 1, F] the target's hidden states at the pending token and the accepted drafts (asked for by a
+    # feature head, `verify_and_accept(feature_layers=...)`); None otherwise
+    features: Any = None
 
 
 class _Target(Protocol):
@@ -174,19 +177,25 @@ def verify_and_accept(
     slots: torch.Tensor,  # [B] int64, on the host: each row's KV-cache slot
     sampling: SamplingTensors,  # per row, on the target's device
     steps: torch.Tensor,  # [B] int64 target-pass counter per row, on the target's device
+    feature_layers: tuple[int, ...] = (),  # hidden states a feature head reads (`forward_features`); (): none
 ) -> list[Verdict]:
     """One target pass over [pending] + draft per row, then verification and acceptance (pipeline.rejection).
     Reading the verdicts back is the step's one deliberate host sync."""
     tokens = torch.cat([pending[:, None], draft.token_ids.to(pending.device)], dim=1)  # [B, K+1]
     # Positions and slots stay on the host: runners read them without a device sync, the graph path sends them with
     # the tokens in one copy, and a tensor-parallel leader broadcasts them from the host anyway.
-    logits = target.forward(tokens, positions, slots)  # [B, K+1, V]
+    features = None
+    if feature_layers:
+        logits, features = target.forward_features(tokens, positions, slots, feature_layers)  # + [B, K+1, F]
+    else:
+        logits = target.forward(tokens, positions, slots)  # [B, K+1, V]
     draft = draft.to(logits.device)
     out = accept(verify(logits, draft, sampling, steps), draft, sampling.seeds, steps, sampling.all_greedy)
     num_accepted = out.num_accepted.tolist()  # the one host sync
     emitted = out.tokens.tolist()
     num_draft = draft.num_draft.tolist()
-    return [Verdict(num_draft[b], n, emitted[b][: n + 1]) for b, n in enumerate(num_accepted)]
+    return [Verdict(num_draft[b], n, emitted[b][: n + 1], None if features is None else features[b, : n + 1])
+            for b, n in enumerate(num_accepted)]
 
 
 def commit(state: RequestState, verdict: Verdict) -> tuple[list[int], str]:

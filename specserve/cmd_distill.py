@@ -32,6 +32,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-prompts", default=None,
                    help="evaluation prompts, evaluated on, never trained on (e.g. the Spec-Bench dev set shipped "
                         f"as {SPEC_BENCH_DEV})")
+    p.add_argument("--method", default="model", choices=("model", "eagle3", "medusa"),
+                   help="model: a separate draft model; eagle3: an EAGLE-3 head on three of the target's hidden "
+                        "states; medusa: Medusa heads on its last hidden state")
+    p.add_argument("--head-depth", type=int, default=4, help="eagle3: drafts per pass it trains for")
+    p.add_argument("--aux-layers", type=_ints, default=None,
+                   help="eagle3: the three target layers whose input states it reads (default 2,n/2,n-3)")
+    p.add_argument("--medusa-heads", type=int, default=4, help="medusa: heads (tokens drafted per pass at most)")
+    p.add_argument("--medusa-layers", type=int, default=1, help="medusa: residual blocks per head")
+    p.add_argument("--eval-limit", type=int, default=0, help="evaluate on the first N evaluation prompts (0: all)")
     p.add_argument("--layers", type=_ints, default=(2,),
                    help="drafter depth; a list (e.g. 1,2,4) trains variants side by side and keeps the best")
     p.add_argument("--draft-vocab", type=int, default=8192,
@@ -106,14 +115,17 @@ def config_from_args(args: argparse.Namespace):  # -> DistillConfig
         gen_graphs=_tristate(args.gen_graphs), gen_compile=_tristate(args.gen_compile),
         gen_attention=args.gen_attention,
         wall_seconds=args.wall_seconds, wall_reserve=args.wall_reserve,
+        method=args.method, head_depth=args.head_depth, aux_layers=args.aux_layers or None,
+        medusa_heads=args.medusa_heads, medusa_layers=args.medusa_layers, eval_limit=args.eval_limit,
     )
 
 
 def run(args: argparse.Namespace) -> int:
+    from pipeline.distill.heads import head_summary
     from pipeline.distill.run import distill, summary_table
 
     metrics = distill(config_from_args(args))
-    print(summary_table(metrics))
+    print(summary_table(metrics) if args.method == "model" else head_summary(metrics))
     if args.json:
         print(json.dumps(metrics, default=str))
     return 0

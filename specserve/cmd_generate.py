@@ -17,7 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="target model folder or .gguf (default: the demo SmolLM2-135M-Instruct)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--draft", default=None,
-                   help="drafter: a model folder, 'prompt-lookup', 'suffix' (suffix decoding), 'lookup+MODEL' "
+                   help="drafter: a model folder, 'prompt-lookup', 'suffix' (suffix decoding), 'medusa:DIR' or "
+                        "'eagle3:DIR' (feature heads on the target's hidden states), 'lookup+MODEL' "
                         "(prompt lookup where the context matches, the model elsewhere), "
                         "or 'default' (the project's default drafter)")
     g.add_argument("--no-draft", action="store_true", help="plain target decoding, no speculation")

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 from pipeline.adaptive import AdaptiveK
-from pipeline.config import EngineConfig, SamplingParams, SpecParams
+from pipeline.config import EngineConfig, SamplingParams, SpecParams, is_head
 from pipeline.distill.drafter import load_hf_assistant
 from pipeline.drafters import build_drafter, draft_model_spec
 from pipeline.engine import SpeculativeEngine
@@ -58,10 +58,13 @@ def run_bench(
     torch_dtype = getattr(torch, dtype)
     model, tok = load_model(target_path, device=device, dtype=dtype)
     config = EngineConfig(max_batch_size=1, max_seq_len=4096, device=device, dtype=dtype, draft_weights=draft_weights)
-    drafter = build_drafter(draft, model.info, tok, device, dtype)
+    drafter = build_drafter(draft, model.info, tok, device, dtype, target=model)
     policy = AdaptiveK(max_k=k) if adaptive_k else None
     engine = SpeculativeEngine(model, tok, drafter, config, k_policy=policy)  # refuses bad options before HF loads
     draft_model_path = draft_model_spec(draft)
+    if is_head(draft) and "hf-assisted" in methods:  # transformers has no assisted generation with a feature head
+        methods = [m for m in methods if m != "hf-assisted"]
+        print(f"[{draft}: a feature head; Hugging Face assisted generation cannot run it, hf-assisted skipped]")
     if draft_model_path is None:
         hf_assist: dict[str, Any] = {"prompt_lookup_num_tokens": k}
     else:  # HF assisted generation with the same draft model (for a hybrid: its model part)

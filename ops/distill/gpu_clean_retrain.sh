@@ -20,7 +20,8 @@
 #           packs the drafter into $OUT. Extra arguments are passed to ops.distill.gpu_train (later flags
 #           win).
 # Environment: OUT (the device tool sets it), STASH_DIR (/tmp/ss), CLEAN_DIR (.carry/clean), WALL_TOTAL,
-# TRAIN_S (200), GEN_ROWS (512), TARGET (a model folder: skips the GGUF, for dry runs), PY (python3).
+# TRAIN_S (200), GEN_ROWS (512), TARGET (a model folder: skips the GGUF, for dry runs), PY (python3),
+# TRAINER (the module main runs, default ops.distill.gpu_train; ops.distill.gpu_heads trains the feature heads).
 set -uo pipefail
 START=$(date +%s)
 MODE=${1:?usage: gpu_clean_retrain.sh stash I | main [ops.distill.gpu_train flags...]}
@@ -109,7 +110,7 @@ cp "$LAST/manifest.json" "$OUT/manifest.json"
 export SPECSERVE_CACHE=$STASH/cache
 WALL=$(( ${WALL_TOTAL:-555} - $(elapsed) ))
 echo "starting ops.distill.gpu_train at $(elapsed) s, wall budget $WALL s"
-"$PY" -m ops.distill.gpu_train --pack-to "$OUT" --target "$TARGET" --out "$STASH/run" \
+"$PY" -m "${TRAINER:-ops.distill.gpu_train}" --pack-to "$OUT" --target "$TARGET" --out "$STASH/run" \
     --prompts "$STASH/prompts.npz" --eval-prompts "$LAST/spec_bench_dev.npz" \
     --layers 2 --draft-vocab 8192 --max-new-tokens 256 --sample-fraction 0.3 --chunk-prompts 4096 \
     --gen-tokens 1000000000 --gen-rows "${GEN_ROWS:-512}" --train-seconds "${TRAIN_S:-200}" --lr 1e-3 \

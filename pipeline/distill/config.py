@@ -13,6 +13,15 @@ class DistillConfig:
     prompts: str | None = None  # .jsonl(.gz) chats or .npz token ids (ops/distill/build_prompts.py); None: synthetic
     eval_prompts: str | None = None  # e.g. spec_bench_dev.jsonl: evaluated on, never trained on
     heldout_prompts: int = 256  # prompts kept out of training (same distribution) for a held-out acceptance
+    eval_limit: int = 0  # evaluate on the first N evaluation prompts only; 0: all
+
+    # What to train: "model" (a separate draft model, below), "eagle3" (an EAGLE-3 head on three of the target's
+    # hidden states, pipeline/heads/eagle3.py) or "medusa" (Medusa heads on its last hidden state).
+    method: str = "model"
+    head_depth: int = 4  # eagle3: drafts per pass it trains for (training-time test depth)
+    aux_layers: tuple[int, ...] | None = None  # eagle3: target layers whose input states it fuses; None: (2, n//2, n-3)
+    medusa_heads: int = 4  # medusa: heads (tokens drafted per pass at most)
+    medusa_layers: int = 1  # medusa: residual blocks per head
 
     # Drafter shape. One run can train several variants side by side on the same target labels
     # (the target's forward is most of the cost); the first listed is exported as the drafter unless
@@ -80,6 +89,15 @@ class DistillConfig:
         self.layers = tuple(int(x) for x in self.layers)
         if not self.layers or min(self.layers) < 1:
             raise ValueError(f"layers must be >= 1, got {self.layers}")
+        if self.method not in ("model", "eagle3", "medusa"):
+            raise ValueError(f"method must be model, eagle3 or medusa, got {self.method!r}")
+        if self.head_depth < 1 or self.medusa_heads < 1 or self.medusa_layers < 0:
+            raise ValueError(f"need head_depth >= 1, medusa_heads >= 1, medusa_layers >= 0, got {self.head_depth}, "
+                             f"{self.medusa_heads}, {self.medusa_layers}")
+        if self.aux_layers is not None:
+            self.aux_layers = tuple(int(x) for x in self.aux_layers)
+            if len(self.aux_layers) != 3:
+                raise ValueError(f"aux_layers names three target layers, got {self.aux_layers}")
         if self.init_layers not in ("first", "spread", "random"):
             raise ValueError(f"init_layers must be first, spread or random, got {self.init_layers!r}")
         if self.select not in ("first", "speedup"):

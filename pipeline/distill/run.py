@@ -137,8 +137,10 @@ def distill(cfg: DistillConfig, progress: Callable[[str], None] | None = None) -
     bench = []
     if cfg.eval_prompts:
         bench = [p for p in load_eval_prompts(cfg.eval_prompts, tokenizer) if len(p.ids) <= cfg.max_prompt_tokens * 4]
-    ref_files = [work / "eval_heldout_greedy.npz"] * bool(heldout) + [
-        work / "eval_bench_greedy.npz", work / f"eval_bench_t{cfg.eval_temperature:g}.npz"] * bool(bench)
+        bench = bench[: cfg.eval_limit] if cfg.eval_limit > 0 else bench
+    sampled_refs = cfg.method == "model"  # a head's acceptance is evaluated greedily (exact without a decoding loop)
+    ref_files = [work / "eval_heldout_greedy.npz"] * bool(heldout) + [work / "eval_bench_greedy.npz"] * bool(bench) + [
+        work / f"eval_bench_t{cfg.eval_temperature:g}.npz"] * (bool(bench) and sampled_refs)
     if runner_backend and not all(f.exists() for f in ref_files):
         # The references on the runner's eager path (the reference implementation) in eval_dtype.
         from pipeline.distill.fastgen import RunnerGenerator, max_job_len
@@ -159,8 +161,9 @@ def distill(cfg: DistillConfig, progress: Callable[[str], None] | None = None) -
         eval_sets["bench_greedy"] = (_references(ref_model, bench, work / "eval_bench_greedy.npz", temperature=0.0,
                                                  seed=cfg.seed + 202, **kw), 0.0)
         t = cfg.eval_temperature
-        eval_sets[f"bench_t{t:g}"] = (_references(ref_model, bench, work / f"eval_bench_t{t:g}.npz", temperature=t,
-                                                  seed=cfg.seed + 303, **kw), t)
+        if sampled_refs:
+            eval_sets[f"bench_t{t:g}"] = (_references(ref_model, bench, work / f"eval_bench_t{t:g}.npz", temperature=t,
+                                                      seed=cfg.seed + 303, **kw), t)
     if hasattr(ref_model, "release"):
         ref_model.release()
     if ref_model is not target:
@@ -228,6 +231,17 @@ def distill(cfg: DistillConfig, progress: Callable[[str], None] | None = None) -
             kept = sum(int(keep[torch.from_numpy(a.astype('int64'))].sum()) for a in ans)
             cov[f"{name}_in_draft_vocab"] = round(kept / max(n, 1), 4)
     say(f"draft vocabulary: {cfg.draft_vocab if use_reduced else vocab_size} tokens; coverage {cov}")
+    if cfg.method != "model":  # a feature head (pipeline/distill/heads.py) instead of a draft model
+        from pipeline.distill.heads import run_heads
+
+        if cfg.wall_seconds and cfg.train_seconds is not None:
+            cfg = dataclasses.replace(cfg, train_seconds=max(10.0, left() - cfg.wall_reserve))
+            timings["train_budget_s"] = cfg.train_seconds
+            say(f"wall clock: {left():.0f} s left; training budget {cfg.train_seconds:.0f} s")
+        meta = {"target": str(src), "config": cfg.to_dict(), "data": data_stats, "coverage": cov,
+                "draft_vocab_size": cfg.draft_vocab if use_reduced else vocab_size}
+        return run_heads(cfg, target, data, token_ids if cfg.method == "eagle3" else None, eval_sets, out, meta,
+                         timings, say)
 
     # 5. Drafter variants, trained side by side.
     variants = {f"L{n}": build_drafter(target, token_ids, n, cfg.init_layers, cfg.hidden, cfg.seed).to(device)

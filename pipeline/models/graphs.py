@@ -397,6 +397,13 @@ class GraphCausalLM:
         self.stats.shapes[shape] = self.stats.shapes.get(shape, 0) + 1
         return self._result(entry.logits[:B, logits_from:T])
 
+    def forward_features(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                         layers: tuple[int, ...], logits_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """`LlamaCausalLM.forward_features` on the eager runner (the same cache): the captured graphs return logits
+        only, so a target that feeds a feature head steps eagerly."""
+        self.stats.eager_calls += 1
+        return self.runner.forward_features(tokens, positions, slots, layers, logits_from)
+
     def _result(self, logits: torch.Tensor) -> torch.Tensor:
         """What `forward` returns for a view of a graph's static logits: a copy (the next replay overwrites them).
         The tensor-parallel wrapper gathers from the view instead, which copies anyway."""

@@ -39,6 +39,7 @@ from pipeline.models.families import (
 )
 
 FAST_PATH_MODEL_TYPES = frozenset(FAMILIES)
+FINAL_NORMED = -1  # `forward_features`: the last layer's output after the final norm (the output layer's input)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -490,6 +491,26 @@ class LlamaCausalLM:
         slots: torch.Tensor,  # [B] int64 distinct cache slots
         logits_from: int = 0,
     ) -> torch.Tensor:  # [B, T - logits_from, V] float32
+        return self._forward(tokens, positions, slots, logits_from, ())[0]
+
+    @torch.inference_mode()
+    def forward_features(
+        self,
+        tokens: torch.Tensor,  # [B, T] int64
+        positions: torch.Tensor,  # [B] int64 position of tokens[:, 0]
+        slots: torch.Tensor,  # [B] int64 distinct cache slots
+        layers: tuple[int, ...],  # which hidden states (`FINAL_NORMED` or a layer index, see below)
+        logits_from: int = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [B, T - logits_from, V] float32, [B, T, len(layers) * C]
+        """`forward` that also returns hidden states of every fed position, concatenated in `layers` order: index
+        i in [0, n_layers] is the residual stream entering layer i (n_layers: the last layer's output, before the
+        final norm; EAGLE-3's auxiliary states), `FINAL_NORMED` the last layer's output after the final norm (what
+        the output layer reads; Medusa's input). Plain `forward` computes none of them."""
+        assert layers, "forward_features needs at least one layer"
+        logits, feats = self._forward(tokens, positions, slots, logits_from, layers)
+        return logits, torch.cat(feats, dim=-1)
+
+    def _forward(self, tokens, positions, slots, logits_from: int, layers: tuple[int, ...]):
         assert self._max_len > 0, "call allocate(num_slots, max_len) before forward"
         assert tokens.dim() == 2, f"tokens must be [B, T], got {tuple(tokens.shape)}"
         B, T = tokens.shape
@@ -516,10 +537,20 @@ class LlamaCausalLM:
             masks[window] = mask[:, None]
 
         x = self.model.embed(tokens)  # [B, T, C]
+        found: dict[int, torch.Tensor] = {}
         for i, (layer, k_cache, v_cache) in enumerate(zip(self.model.layers, self.k_caches, self.v_caches)):
+            if layers and i in layers:
+                found[i] = x
             cos, sin = local_rope if a.local_rope(i) else rope
             x = layer(x, cos, sin, masks[a.window(i)], k_cache, v_cache, slots, pos)
-        return self.model.logits(x[:, logits_from:])  # [B, T', V]
+        if not layers:
+            return self.model.logits(x[:, logits_from:]), []  # [B, T', V]
+        found[a.n_layers] = x
+        if FINAL_NORMED in layers:
+            found[FINAL_NORMED] = self.model.norm(x)
+        missing = [i for i in layers if i not in found]
+        assert not missing, f"no hidden states {missing}: layers are {FINAL_NORMED} or 0..{a.n_layers}"
+        return self.model.logits(x[:, logits_from:]), [found[i] for i in layers]
 
     __call__ = forward
 

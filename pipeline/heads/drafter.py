@@ -1,0 +1,210 @@
+"""`HeadDrafter`: a Medusa or EAGLE-3 head behind the `Drafter` interface, drafting from the target's features.
+
+The target computes the features in its own passes (`forward_features`): the engine's prefill over the prompt
+and every verify pass. After each, the engine hands the drafter (`observe`) the features of the positions that
+are now committed: at the prefill, positions 0..L-2 of an L-token prompt; after a verify pass fed at position P
+that accepted n drafts, positions P..P+n (the pending token and the accepted drafts), each paired with the token
+that follows it (the next prompt token, the accepted drafts, the recovered or bonus token).
+
+- Medusa drafts from the feature of the last committed position: head i gives the token i+1 places past the
+  pending one, all heads at once (a row drafts at most as many tokens as there are heads).
+- EAGLE-3 first reads every pair it has not read into its own KV cache (one batched call), which gives the first
+  draft, then drafts on from its own pre-norm output and the token it drafted, one position a call.
+
+Both ship the sparse distribution their tokens were sampled from (`pipeline.drafters.sparse_draft`, with the
+DRAFT random stream), so verification stays exact at any temperature.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from pipeline.config import EAGLE3_PREFIX, MEDUSA_PREFIX
+from pipeline.drafters import ProposeRow, sparse_draft
+from pipeline.heads.eagle3 import Eagle3Head, load_eagle3
+from pipeline.heads.medusa import MedusaHeads, load_medusa
+from pipeline.rejection import DraftBlock
+from pipeline.rng import Stream, uniform
+from pipeline.sampling import SamplingTensors, sample_from_probs
+
+FEED_AT = 16  # pairs observed at once (a prompt) go into the EAGLE-3 cache at once, not in a draft step
+
+
+@dataclass
+class _Row:
+    slot: int
+    fed: int = 0  # EAGLE-3: pairs (positions 0..fed-1) in the head's cache
+    features: list[torch.Tensor] = field(default_factory=list)  # [n, F] each: observed, not yet read
+    tokens: list[int] = field(default_factory=list)  # the token after each of those positions
+    lost: bool = False  # a gap in the observed positions: this request drafts nothing more
+
+    @property
+    def pending(self) -> int:
+        return len(self.tokens)
+
+
+class HeadDrafter:
+    """Drafts with a feature head; `feature_layers` names the target states it reads (`forward_features`)."""
+
+    def __init__(self, head: MedusaHeads | Eagle3Head, feature_layers: tuple[int, ...], name: str) -> None:
+        self.head, self.feature_layers, self.name = head, feature_layers, name
+        self.eagle = isinstance(head, Eagle3Head)
+        self.device = next(head.parameters()).device
+        self._rows: dict[str, _Row] = {}
+        self._free: list[int] = []
+        self._out_ids = torch.arange(head.cfg.draft_vocab_size, device=self.device) + head.d2t if self.eagle else None
+
+    @classmethod
+    def from_spec(cls, spec: str, target) -> "HeadDrafter":
+        """From a drafter word `medusa:DIR` or `eagle3:DIR` and the target runner it reads (a fast-path model)."""
+        model = getattr(target, "runner", target).model if hasattr(target, "forward_features") else None
+        if model is None:
+            raise ValueError(f"drafter {spec!r} needs a fast-path target (its runner returns hidden states); "
+                             f"{target.info.name} runs on the generic runner")
+        dtype = model.tok_embeddings.weight.dtype
+        folder = Path(spec.split(":", 1)[1])
+        if not (folder / "config.json").exists():
+            raise ValueError(f"drafter {spec!r}: no config.json in {folder}")
+        if spec.startswith(MEDUSA_PREFIX):
+            head = load_medusa(folder, model.output.weight, model.output.weight.device, dtype)
+            return cls(head, head.feature_layers, f"medusa:{folder.name}")
+        assert spec.startswith(EAGLE3_PREFIX), spec
+        embed = model.tok_embeddings.weight
+        head = load_eagle3(folder, embed, embed.device, dtype)
+        layers = head.cfg.layers_for(model.args.n_layers)
+        if max(layers) > model.args.n_layers or head.cfg.feature_size != model.args.dim:
+            raise ValueError(f"drafter {spec!r} reads layers {layers} of width {head.cfg.feature_size}; "
+                             f"{target.info.name} has {model.args.n_layers} layers of width {model.args.dim}")
+        return cls(head, layers, f"eagle3:{folder.name}")
+
+    # -- the engine's calls ----------------------------------------------------------------------------------
+    def allocate(self, num_slots: int, max_len: int) -> None:
+        """EAGLE-3's KV cache: one slot per request the engine holds, as long as the target's cache."""
+        if self.eagle and (self.head.num_slots < num_slots or self.head.max_len < max_len):
+            self.head.allocate(num_slots, max_len)
+            self._free = [s for s in range(num_slots - 1, -1, -1) if s not in {r.slot for r in self._rows.values()}]
+
+    def admit(self, request_id: str, context: Sequence[int]) -> None:
+        if request_id in self._rows:
+            return
+        if self.eagle and not self._free:
+            raise RuntimeError(f"{self.name}: no free head cache slot (allocate one per request the engine holds)")
+        self._rows[request_id] = _Row(self._free.pop() if self.eagle else -1)
+
+    def release(self, request_id: str) -> None:
+        row = self._rows.pop(request_id, None)
+        if row is not None and self.eagle:
+            self._free.append(row.slot)
+
+    def observe(self, request_id: str, start: int, features: torch.Tensor, next_tokens: Sequence[int]) -> None:
+        """The target's features [n, F] of positions start..start+n-1, now committed, and the token that follows
+        each. Positions before `start` that were observed earlier are dropped (the request was rewound)."""
+        row = self._rows.get(request_id)
+        if row is None or row.lost:
+            return
+        n = min(len(next_tokens), features.shape[0])
+        if n == 0:
+            return
+        have = row.fed + row.pending
+        if start > have:  # a gap: the head could never read those positions
+            row.lost = True
+            return
+        if start < row.fed:
+            row.fed, row.features, row.tokens = start, [], []
+        elif start < have:
+            keep = start - row.fed
+            flat = torch.cat(row.features)[:keep]
+            row.features, row.tokens = [flat] if keep else [], row.tokens[:keep]
+        row.features.append(features[:n])
+        row.tokens.extend(int(t) for t in next_tokens[:n])
+        if not self.eagle:
+            row.features, row.tokens = row.features[-1:], row.tokens[-1:]
+            row.fed = start + n - 1
+        elif row.pending >= FEED_AT:
+            self._read([row])
+
+    def propose(self, rows: Sequence[ProposeRow], k: int, sampling: SamplingTensors, steps: torch.Tensor,
+                draft_top_k: int) -> DraftBlock:
+        B = len(rows)
+        dev = self.device
+        states = [self._rows.get(r.request_id) for r in rows]
+        active = [b for b, s in enumerate(states) if s is not None and not s.lost and s.pending and rows[b].num_draft]
+        width = min(draft_top_k, self.head.lm_head.out_features if self.eagle else self.head_vocab)
+        tokens = torch.zeros(B, k, dtype=torch.int64, device=dev)
+        top_ids = torch.zeros(B, k, width, dtype=torch.int64, device=dev)
+        top_probs = torch.zeros(B, k, width, dtype=torch.float32, device=dev)
+        num = [0] * B
+        if active:
+            depth = k if self.eagle else min(k, self.head.num_heads)
+            idx = torch.tensor(active, dtype=torch.int64)
+            sub = sampling.select(active)
+            u = uniform(sub.seeds, steps[idx.to(steps.device)], Stream.DRAFT, k).to(dev)  # [A, K]
+            draw = self._eagle_chain if self.eagle else self._medusa
+            out_tok, out_ids, out_probs = draw([states[b] for b in active], depth, sub, u, draft_top_k)
+            a = idx.to(dev)
+            tokens[a, :depth], top_ids[a, :depth], top_probs[a, :depth] = out_tok, out_ids, out_probs
+            for b in active:
+                num[b] = min(rows[b].num_draft, depth)
+        return DraftBlock(tokens, torch.tensor(num, dtype=torch.int64, device=dev), top_ids, top_probs)
+
+    @property
+    def head_vocab(self) -> int:
+        return self.head.shared.shape[0] if self.head.lm_heads is None else self.head.lm_heads[0].out_features
+
+    # -- drafting ------------------------------------------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor, sampling: SamplingTensors, u: torch.Tensor, top_k: int):
+        ids, probs = sparse_draft(logits, sampling, top_k, self._out_ids)  # [A, k'], [A, k']
+        token = ids.gather(-1, sample_from_probs(probs, u)[:, None]).squeeze(-1)  # [A]
+        return token, ids, probs
+
+    def _medusa(self, states: list[_Row], depth: int, sampling: SamplingTensors, u: torch.Tensor, top_k: int):
+        feats = torch.stack([s.features[-1][-1] for s in states]).to(self.device)  # [A, C]
+        hidden = self.head.hidden(feats.to(next(self.head.parameters()).dtype))  # [A, K, C]
+        cols = [self._sample(self.head.logits(hidden[:, j], j), sampling, u[:, j], top_k) for j in range(depth)]
+        return tuple(torch.stack(c, dim=1) for c in zip(*cols))
+
+    def _read(self, states: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed each row's unread pairs into the head's cache -> (logits [A, V'], r [A, C]) at each row's last pair."""
+        head = self.head
+        n = [s.pending for s in states]
+        N = max(n)
+        if len(states) > 1 and max(s.fed for s in states) + N > head.max_len:  # padding would run past the cache
+            parts = [self._read([s]) for s in states]
+            return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        F_ = states[0].features[0].shape[-1]
+        feats = torch.zeros(len(states), N, F_, device=self.device, dtype=states[0].features[0].dtype)
+        toks = torch.zeros(len(states), N, dtype=torch.int64)
+        for b, s in enumerate(states):
+            feats[b, : n[b]] = torch.cat(s.features).to(self.device)
+            toks[b, : n[b]] = torch.tensor(s.tokens, dtype=torch.int64)
+        starts = torch.tensor([s.fed for s in states], dtype=torch.int64)
+        slots = torch.tensor([s.slot for s in states], dtype=torch.int64)
+        logits, r = head.step(toks, feats, starts, slots, fused=True)  # [A, N, V'], [A, N, C]
+        last = torch.tensor(n, device=logits.device) - 1
+        rows = torch.arange(len(states), device=logits.device)
+        for s in states:
+            s.fed += s.pending
+            s.features, s.tokens = [], []
+        return logits[rows, last], r[rows, last]
+
+    def _eagle_chain(self, states: list[_Row], depth: int, sampling: SamplingTensors, u: torch.Tensor, top_k: int):
+        logits, r = self._read(states)
+        slots = torch.tensor([s.slot for s in states], dtype=torch.int64)
+        nxt = torch.tensor([s.fed for s in states], dtype=torch.int64)  # the first draft's position
+        cols = []
+        for j in range(depth):
+            cols.append(self._sample(logits, sampling, u[:, j], top_k))
+            if j + 1 < depth:
+                lg, rr = self.head.step(cols[-1][0][:, None], r[:, None], nxt + j, slots, fused=False)
+                logits, r = lg[:, 0], rr[:, 0]
+        return tuple(torch.stack(c, dim=1) for c in zip(*cols))
+
+
+def head_info(folder: str | Path) -> dict:
+    """The head checkpoint's config.json (for a CLI line)."""
+    return json.loads((Path(folder) / "config.json").read_text())
