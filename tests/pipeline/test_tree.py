@@ -30,9 +30,9 @@ def test_shape_is_breadth_first_and_the_budget_keeps_the_likeliest_paths():
     full = tree_shape(TreeConfig((2, 2)))
     assert full.parents == (-1, -1, 0, 0, 1, 1) and full.ranks == (0, 1, 0, 1, 0, 1) and full.depth == 2
     cut = tree_shape(TreeConfig((3, 2, 1), max_nodes=6))
-    # rank sums: depth 0: 0,1,2; (0,0)=0 (0,1)=1 (1,0)=1; (0,0,0)=0 ... the 6 lowest, parents first
-    assert cut.parents == (-1, -1, -1, 0, 0, 3) and cut.ranks == (0, 1, 2, 0, 1, 0)
-    assert cut.nodes_within(1) == 3 and cut.nodes_within(2) == 5 and cut.depth == 3
+    # by rank sum, then depth: (0) (0,0) (0,0,0) | (1) (0,1) (1,0) | (2) ... keeps the first six, parents first
+    assert cut.parents == (-1, -1, 0, 0, 1, 2) and cut.ranks == (0, 1, 0, 1, 0, 0)
+    assert cut.nodes_within(1) == 2 and cut.nodes_within(2) == 5 and cut.depth == 3
     assert TreeShape.chain(3) == tree_shape(TreeConfig((1, 1, 1)))
     with pytest.raises(ValueError, match="at most 64"):
         TreeConfig((8, 8, 8))
@@ -98,8 +98,8 @@ GREEDY_TREE_TABLE = [
     ([2, 0, 5, 0, 0, 6], 5, [2, 5, 6]),  # the second child, its child, bonus
     ([1, 7, 0, 0, 0, 0], 5, [1, 7]),  # first child, then no child matches: recovered 7
     ([6, 0, 0, 0, 0, 0], 5, [6]),  # no child of pending matches
-    ([2, 0, 5, 0, 0, 6], 2, [2, 0]),  # only nodes 0, 1 drafted: the bonus at node 1
-    ([1, 3, 0, 9, 0, 0], 5, [1, 3, 9]),
+    ([2, 0, 5, 0, 0, 6], 2, [2, 5]),  # only nodes 0, 1 drafted: the bonus at node 1
+    ([1, 3, 0, 7, 0, 0], 5, [1, 3, 7]),  # first child, its first child, then the bonus at node 2
 ]
 
 
@@ -155,7 +155,8 @@ def _tree_passes(temperature: float, top_p: float, children: str, broken: str | 
     g = torch.Generator().manual_seed(seed)
     K = len(TREE)
     target_logits = torch.randn(K + 1, V, generator=g) * 1.5  # per fed position
-    draft_logits = torch.randn(K + 1, V, generator=g) * 1.5  # per parent fed position
+    # per parent fed position: a draft close to the target, so that second siblings get accepted too
+    draft_logits = target_logits + torch.randn(K + 1, V, generator=g)
     seeds = torch.arange(N, dtype=torch.int64) * 7919 + 13
     steps = torch.full((N,), 3, dtype=torch.int64)
     sampling = SamplingTensors.from_params([SamplingParams(temperature=temperature, top_p=top_p, seed=int(s))
@@ -196,7 +197,8 @@ def _tree_passes(temperature: float, top_p: float, children: str, broken: str | 
 def _pvalue(tokens: torch.Tensor, probs: torch.Tensor) -> float:
     counts = torch.bincount(tokens, minlength=V).double()
     keep = probs > 0
-    assert counts[~keep].sum() == 0, "a token with zero target probability was emitted"
+    if counts[~keep].sum() > 0:  # a token the target cannot emit: as far from the target as it gets
+        return 0.0
     exp = probs.double()[keep].numpy()
     return float(chisquare(counts[keep].numpy(), exp * counts.sum().item() / exp.sum()).pvalue)
 
@@ -219,8 +221,9 @@ def test_tree_output_follows_the_target(temperature, top_p, children):
     pv = _pvalues(out, target)
     assert len(pv) >= 3, f"too few nodes reached to test: {pv}"
     assert min(pv.values()) > ALPHA, f"deviates from the target: {pv}"
-    # real multi-draft speculation: second siblings get accepted, and whole passes get rejected too
-    assert ((out.path[:, 0] == 1) | (out.path[:, 0] == 2)).float().mean() > 0.02
+    # real multi-draft speculation: later siblings (nodes 1, 2, 4) get accepted, and whole passes get rejected too
+    later = (out.path[..., None] == torch.tensor([1, 2, 4])).any(-1).any(-1)
+    assert later.float().mean() > 0.02
     assert 0.05 < (out.num_accepted == 0).float().mean() < 0.95
 
 
