@@ -144,6 +144,35 @@ class SpecParams:
             raise InvalidParam("draft_top_k", f"draft_top_k must be >= 1, got {self.draft_top_k}")
 
 
+MAX_TREE_NODES = 64  # the most nodes a token tree may have (the target's cache slack holds them)
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """The static shape of a token-tree draft (pipeline.tree.TreeDrafter): every node at depth d gets
+    branching[d] children, the draft model's most likely tokens (greedy) or tokens drawn without replacement
+    (sampled); with a node budget, the nodes whose path ranks add up least are kept."""
+
+    branching: tuple[int, ...] = (2, 2, 1, 1)  # children per node at each depth; its length is the tree's depth
+    max_nodes: int | None = None  # node budget; None: the full tree (at most MAX_TREE_NODES nodes)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "branching", tuple(int(b) for b in self.branching))
+        if not self.branching or min(self.branching) < 1:
+            raise InvalidParam("tree", f"tree branching must be one or more counts >= 1, got {self.branching}")
+        if self.max_nodes is not None and not 1 <= self.max_nodes <= MAX_TREE_NODES:
+            raise InvalidParam("tree", f"tree max_nodes must be in [1, {MAX_TREE_NODES}], got {self.max_nodes}")
+        full, width = 0, 1
+        for b in self.branching:
+            width *= b
+            full += width
+            if full > 4096:
+                break
+        if min(full, self.max_nodes or full) > MAX_TREE_NODES:
+            raise InvalidParam("tree", f"a tree of branching {self.branching} has {full if full <= 4096 else '>4096'}"
+                               f" nodes; at most {MAX_TREE_NODES} (set max_nodes)")
+
+
 @dataclass
 class EngineConfig:
     """Capacity of one engine (one process holding a target and maybe a drafter)."""
@@ -157,6 +186,9 @@ class EngineConfig:
     # layer: half the bytes; acceptance may move, the output cannot: rejection sampling keeps the target's
     # distribution).
     draft_weights: Literal["model", "fp8"] = "model"
+    # A token tree instead of a chain (TreeConfig): a draft model drafts this shape, the target verifies it in one
+    # pass. None: chains. Needs a draft model and a target on the eager fast path (else chains, logged).
+    tree: TreeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.draft_weights not in ("model", "fp8"):

@@ -236,6 +236,34 @@ class ModelDrafter:
     def propose(self, rows, k, sampling, steps, draft_top_k) -> DraftBlock:
         B = len(rows)
         device = self.device
+        logits, slots, positions = self.feed_context(rows)
+
+        # 2. Draft K tokens, one forward per token after the first.
+        out_tokens = torch.zeros(B, k, dtype=torch.int64, device=device)
+        top_ids = torch.zeros(B, k, draft_top_k, dtype=torch.int64, device=device)
+        top_probs = torch.zeros(B, k, draft_top_k, dtype=torch.float32, device=device)
+        u = uniform(sampling.seeds, steps, Stream.DRAFT, k).to(device)  # [B, K]
+        for j in range(k):
+            ids, probs = self._sparse(logits[:, 0], sampling, draft_top_k)  # [B, k'], [B, k']
+            choice = sample_from_probs(probs, u[:, j])  # [B]
+            token = ids.gather(-1, choice[:, None]).squeeze(-1)  # [B]
+            out_tokens[:, j] = token
+            top_ids[:, j, : ids.shape[1]] = ids
+            top_probs[:, j, : ids.shape[1]] = probs
+            if j + 1 < k:
+                logits = self.model.forward(token[:, None], positions + j, slots)  # [B, 1, V']
+        fed = out_tokens[:, : k - 1].tolist()  # one device-to-host copy for the whole batch
+        for b, r in enumerate(rows):
+            self._fed[r.request_id].extend(fed[b])
+        num_draft = torch.tensor([r.num_draft for r in rows], dtype=torch.int64, device=device)
+        return DraftBlock(out_tokens, num_draft, top_ids, top_probs)
+
+    @torch.inference_mode()
+    def feed_context(self, rows: Sequence[ProposeRow]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Feed each row's committed tokens its cache lacks -> (logits after the last one [B, 1, V'], slots [B],
+        positions [B]: where the first draft token goes, i.e. the context length; slots and positions on the host)."""
+        B = len(rows)
+        device = self.device
         busy = {r.request_id for r in rows}
         # Positions and slots stay on the host, as the engine passes the target's: a runner reads them without a
         # device sync (on device, every one of the K forwards below waited for the one before it to finish).
@@ -257,26 +285,7 @@ class ModelDrafter:
         logits = self.model.forward(tokens.to(device), torch.tensor(starts, dtype=torch.int64), slots)
         logits = logits[torch.arange(B, device=device), last][:, None, :]  # [B, 1, V']
         positions = torch.tensor([len(r.context) for r in rows], dtype=torch.int64)
-
-        # 2. Draft K tokens, one forward per token after the first.
-        out_tokens = torch.zeros(B, k, dtype=torch.int64, device=device)
-        top_ids = torch.zeros(B, k, draft_top_k, dtype=torch.int64, device=device)
-        top_probs = torch.zeros(B, k, draft_top_k, dtype=torch.float32, device=device)
-        u = uniform(sampling.seeds, steps, Stream.DRAFT, k).to(device)  # [B, K]
-        for j in range(k):
-            ids, probs = self._sparse(logits[:, 0], sampling, draft_top_k)  # [B, k'], [B, k']
-            choice = sample_from_probs(probs, u[:, j])  # [B]
-            token = ids.gather(-1, choice[:, None]).squeeze(-1)  # [B]
-            out_tokens[:, j] = token
-            top_ids[:, j, : ids.shape[1]] = ids
-            top_probs[:, j, : ids.shape[1]] = probs
-            if j + 1 < k:
-                logits = self.model.forward(token[:, None], positions + j, slots)  # [B, 1, V']
-        fed = out_tokens[:, : k - 1].tolist()  # one device-to-host copy for the whole batch
-        for b, r in enumerate(rows):
-            self._fed[r.request_id].extend(fed[b])
-        num_draft = torch.tensor([r.num_draft for r in rows], dtype=torch.int64, device=device)
-        return DraftBlock(out_tokens, num_draft, top_ids, top_probs)
+        return logits, slots, positions
 
     def _sparse(
         self, logits: torch.Tensor, sampling: SamplingTensors, top_k: int

@@ -13,6 +13,7 @@ accepted counts and tokens back.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -21,7 +22,15 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from pipeline.adaptive import AdaptiveK
-from pipeline.config import DEFAULT_DRAFT, HYBRID_PREFIX, PROMPT_LOOKUP, EngineConfig, SamplingParams, SpecParams
+from pipeline.config import (
+    DEFAULT_DRAFT,
+    HYBRID_PREFIX,
+    PROMPT_LOOKUP,
+    EngineConfig,
+    SamplingParams,
+    SpecParams,
+    TreeConfig,
+)
 from pipeline.cross_tokenizer import CrossTokenizerDrafter
 from pipeline.drafters import Drafter, HybridDrafter, ModelDrafter, ProposeRow, build_drafter
 from pipeline.models.base import CausalLM, warmup
@@ -41,6 +50,9 @@ from pipeline.step import (
     retire,
     verify_and_accept,
 )
+from pipeline.tree import TreeDrafter, supports_tree
+
+log = logging.getLogger(__name__)
 
 
 def default_draft(target: str | None) -> str:
@@ -99,6 +111,10 @@ class SpeculativeEngine:
             target = _graphs_on_cuda(target)
             if model_drafter is not None:
                 model_drafter.model = _graphs_on_cuda(model_drafter.model, draft_weights)
+        if self.config.tree is not None:
+            drafter = _tree_drafter(drafter, target, self.config.tree)
+            if isinstance(drafter, TreeDrafter):
+                k_policy = None  # a static shape: K caps the tree's depth, no per-step choice
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.k_policy = k_policy
         cache_len = self.config.max_seq_len + CACHE_SLACK
@@ -361,9 +377,26 @@ def _head_drafter(drafter: Drafter | None):  # -> pipeline.heads.drafter.HeadDra
     return drafter if isinstance(drafter, HeadDrafter) else None
 
 
+def _tree_drafter(drafter: Drafter | None, target: CausalLM, tree: TreeConfig) -> Drafter | None:
+    """`drafter` drafting trees of `tree`'s shape: a `TreeDrafter` over a draft model. A target or draft model on a
+    path without tree attention (the CUDA graph path, the generic runner, tensor parallelism) keeps chains, logged;
+    a drafter without a draft model of the target's vocabulary is refused."""
+    if not isinstance(drafter, ModelDrafter):
+        raise ValueError(f"a token tree needs a draft model of the target's vocabulary; drafter "
+                         f"{getattr(drafter, 'name', None)!r} has none")
+    for role, model in (("target", target), ("draft model", drafter.model)):
+        if not supports_tree(model):
+            log.warning("token trees: the %s runs on %s, which has no tree attention; drafting chains instead",
+                        role, type(model).__name__)
+            return drafter
+    return TreeDrafter(drafter, tree)
+
+
 def _model_drafter(drafter: Drafter | None) -> ModelDrafter | None:
-    """The draft model's drafter inside `drafter` (itself, a hybrid's model part, a cross-tokenizer drafter's), if
-    any."""
+    """The draft model's drafter inside `drafter` (itself, a hybrid's model part, a cross-tokenizer drafter's, a tree
+    drafter's), if any."""
+    if isinstance(drafter, TreeDrafter):
+        drafter = drafter.drafter
     if isinstance(drafter, HybridDrafter):
         drafter = drafter.model
     if isinstance(drafter, CrossTokenizerDrafter):

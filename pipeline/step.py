@@ -21,6 +21,7 @@ from pipeline.adaptive import AdaptiveK
 from pipeline.config import MAX_NUM_DRAFT_TOKENS
 from pipeline.drafters import Drafter, ProposeRow
 from pipeline.models.base import CausalLM
+from pipeline.models.tree_attention import TreeMask, compact_indices, tree_depths
 from pipeline.rejection import DraftBlock, accept, verify
 from pipeline.sampling import SamplingTensors
 from pipeline.sequence import RequestState
@@ -180,22 +181,39 @@ def verify_and_accept(
     feature_layers: tuple[int, ...] = (),  # hidden states a feature head reads (`forward_features`); (): none
 ) -> list[Verdict]:
     """One target pass over [pending] + draft per row, then verification and acceptance (pipeline.rejection).
-    Reading the verdicts back is the step's one deliberate host sync."""
+    Reading the verdicts back is the step's one deliberate host sync.
+
+    A tree draft (`draft.parents`) is fed with its tree mask (the target must have `supports_tree`), and the
+    target's cache then keeps only the accepted path: its entries move to the positions after the pending token.
+    A tree row's `Verdict.num_draft` is its tree's depth (the most tokens it could have accepted)."""
     tokens = torch.cat([pending[:, None], draft.token_ids.to(pending.device)], dim=1)  # [B, K+1]
     # Positions and slots stay on the host: runners read them without a device sync, the graph path sends them with
     # the tokens in one copy, and a tensor-parallel leader broadcasts them from the host anyway.
     features = None
-    if feature_layers:
+    if draft.parents is not None:  # fed position 0 is the pending token, node i is fed position i + 1
+        fed_parents = torch.cat([torch.full_like(draft.parents[:, :1], -1), draft.parents + 1], dim=1)
+        logits = target.forward(tokens, positions, slots, tree=TreeMask(fed_parents))  # [B, K+1, V]
+    elif feature_layers:  # a feature head drafts chains (a tree comes from a draft model)
         logits, features = target.forward_features(tokens, positions, slots, feature_layers)  # + [B, K+1, F]
     else:
         logits = target.forward(tokens, positions, slots)  # [B, K+1, V]
     draft = draft.to(logits.device)
     out = accept(verify(logits, draft, sampling, steps), draft, sampling.seeds, steps, sampling.all_greedy)
+    if out.path is not None:
+        src, dst = compact_indices(positions.to(out.path.device) + 1, out.path)
+        target.compact(slots, src, dst)
     num_accepted = out.num_accepted.tolist()  # the one host sync
     emitted = out.tokens.tolist()
-    num_draft = draft.num_draft.tolist()
+    num_draft = draft.num_draft.tolist() if draft.parents is None else tree_depth(draft).tolist()
     return [Verdict(num_draft[b], n, emitted[b][: n + 1], None if features is None else features[b, : n + 1])
             for b, n in enumerate(num_accepted)]
+
+
+def tree_depth(draft: DraftBlock) -> torch.Tensor:  # [B] int64
+    """The depth of each row's drafted tree: the most draft tokens one pass can accept."""
+    nodes = torch.arange(draft.k, device=draft.token_ids.device)[None, :]
+    depth = tree_depths(draft.parents) + 1  # [B, K]
+    return torch.where(nodes < draft.num_draft[:, None], depth, 0).amax(-1) if draft.k else draft.num_draft
 
 
 def commit(state: RequestState, verdict: Verdict) -> tuple[list[int], str]:

@@ -37,6 +37,7 @@ from pipeline.models.families import (
     rope_sets,
     with_defaults,
 )
+from pipeline.models.tree_attention import TreeMask, tree_rope_and_mask
 
 FAST_PATH_MODEL_TYPES = frozenset(FAMILIES)
 FINAL_NORMED = -1  # `forward_features`: the last layer's output after the final norm (the output layer's input)
@@ -490,8 +491,9 @@ class LlamaCausalLM:
         positions: torch.Tensor,  # [B] int64 position of tokens[:, 0]
         slots: torch.Tensor,  # [B] int64 distinct cache slots
         logits_from: int = 0,
+        tree: TreeMask | None = None,  # the fed tokens are nodes of a token tree (pipeline.models.tree_attention)
     ) -> torch.Tensor:  # [B, T - logits_from, V] float32
-        return self._forward(tokens, positions, slots, logits_from, ())[0]
+        return self._forward(tokens, positions, slots, logits_from, (), tree)[0]
 
     @torch.inference_mode()
     def forward_features(
@@ -510,7 +512,8 @@ class LlamaCausalLM:
         logits, feats = self._forward(tokens, positions, slots, logits_from, layers)
         return logits, torch.cat(feats, dim=-1)
 
-    def _forward(self, tokens, positions, slots, logits_from: int, layers: tuple[int, ...]):
+    def _forward(self, tokens, positions, slots, logits_from: int, layers: tuple[int, ...],
+                 tree: TreeMask | None = None):
         assert self._max_len > 0, "call allocate(num_slots, max_len) before forward"
         assert tokens.dim() == 2, f"tokens must be [B, T], got {tuple(tokens.shape)}"
         B, T = tokens.shape
@@ -524,17 +527,22 @@ class LlamaCausalLM:
         tokens, positions, slots = (t.to(self.device) for t in (tokens, positions, slots))
 
         a = self.args
-        pos = positions[:, None] + torch.arange(T, device=self.device)  # [B, T]
-        rope = (self._cos[pos].unsqueeze(2), self._sin[pos].unsqueeze(2))  # cos, sin [B, T, 1, D]
+        pos = positions[:, None] + torch.arange(T, device=self.device)  # [B, T] cache index of every fed token
+        windows = {a.window(i) for i in range(a.n_layers)}
+        masks: dict[int | None, torch.Tensor] = {}  # window -> [B, 1, T, S] bool, True = attend
+        if tree is None:
+            rope_pos = pos
+            key_pos = torch.arange(kv_len, device=self.device)  # [S]
+            causal = key_pos[None, None, :] <= pos[:, :, None]  # [B, T, S]
+            for window in windows:
+                mask = causal if window is None else causal & (key_pos[None, None, :] > pos[:, :, None] - window)
+                masks[window] = mask[:, None]
+        else:  # RoPE by depth, each node sees the prefix and its own path
+            rope_pos, masks = tree_rope_and_mask(tree, positions, T, kv_len, windows)
+        rope = (self._cos[rope_pos].unsqueeze(2), self._sin[rope_pos].unsqueeze(2))  # cos, sin [B, T, 1, D]
         local_rope = rope
         if self.local_inv_freq is not None:
-            local_rope = (self._local_cos[pos].unsqueeze(2), self._local_sin[pos].unsqueeze(2))
-        key_pos = torch.arange(kv_len, device=self.device)  # [S]
-        causal = key_pos[None, None, :] <= pos[:, :, None]  # [B, T, S]
-        masks: dict[int | None, torch.Tensor] = {}  # window -> [B, 1, T, S] bool, True = attend
-        for window in {a.window(i) for i in range(a.n_layers)}:
-            mask = causal if window is None else causal & (key_pos[None, None, :] > pos[:, :, None] - window)
-            masks[window] = mask[:, None]
+            local_rope = (self._local_cos[rope_pos].unsqueeze(2), self._local_sin[rope_pos].unsqueeze(2))
 
         x = self.model.embed(tokens)  # [B, T, C]
         found: dict[int, torch.Tensor] = {}
@@ -553,6 +561,22 @@ class LlamaCausalLM:
         return self.model.logits(x[:, logits_from:]), [found[i] for i in layers]
 
     __call__ = forward
+
+    supports_tree = True  # `forward(..., tree=)` and `compact` (the CUDA graph path has neither)
+
+    @torch.inference_mode()
+    def compact(
+        self,
+        slots: torch.Tensor,  # [B] int64
+        src: torch.Tensor,  # [B, M] int64 cache indices to move from (pipeline.models.tree_attention.compact_indices)
+        dst: torch.Tensor,  # [B, M] int64 cache indices to move to (src == dst: nothing moves)
+    ) -> None:
+        """Move cache entries within each row's slot, every layer: after a tree's verification, the accepted path's
+        keys and values to consecutive positions. All sources are read before any destination is written."""
+        slots, src, dst = (t.to(self.device) for t in (slots, src, dst))
+        for cache in self.k_caches + self.v_caches:
+            moved = cache[slots[:, None], :, src]  # [B, M, Hkv, D]
+            cache[slots[:, None], :, dst] = moved
 
 
 # Rows up to which the CPU path below pays; measured on the project's 2-core AMD EPYC (torch 2.13, MKL, fp32,
