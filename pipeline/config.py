@@ -189,6 +189,11 @@ class EngineConfig:
     # A token tree instead of a chain (TreeConfig): a draft model drafts this shape, the target verifies it in one
     # pass. None: chains. Needs a draft model and a target on the eager fast path (else chains, logged).
     tree: TreeConfig | None = None
+    # Run a batch whose drafter is one draft model (or none) as device work read back one step behind
+    # (pipeline.device_loop: no host read between steps; on CUDA one captured graph a step). Its K is fixed (no
+    # adaptive K), and requests join only when the batch starts; other batches take the step-by-step path.
+    # None: where the step can be captured (both models on the CUDA graph path with its device-side attention).
+    device_loop: bool | None = None
 
     def __post_init__(self) -> None:
         if self.draft_weights not in ("model", "fp8"):

@@ -32,6 +32,7 @@ from pipeline.config import (
     TreeConfig,
 )
 from pipeline.cross_tokenizer import CrossTokenizerDrafter
+from pipeline.device_loop import DeviceLoop, device_resident
 from pipeline.drafters import Drafter, HybridDrafter, ModelDrafter, ProposeRow, build_drafter
 from pipeline.models.base import CausalLM, warmup
 from pipeline.models.graphs import GraphConfig, graphs_on_cuda
@@ -41,6 +42,7 @@ from pipeline.sampling import SamplingTensors
 from pipeline.sequence import RequestState
 from pipeline.step import (
     CACHE_SLACK,
+    Verdict,
     catch_up,
     commit,
     draft_budgets,
@@ -50,6 +52,7 @@ from pipeline.step import (
     retire,
     verify_and_accept,
 )
+from pipeline.synthetic import SyntheticDrafter
 from pipeline.tree import TreeDrafter, supports_tree
 
 log = logging.getLogger(__name__)
@@ -135,6 +138,7 @@ class SpeculativeEngine:
         self.timings = EngineTimings()
         self._free_slots = list(range(self.config.max_batch_size - 1, -1, -1))
         self._sampling: tuple[tuple[str, ...], SamplingTensors] | None = None  # the last step's rows and tensors
+        self._loops: dict[tuple, DeviceLoop] = {}  # `EngineConfig.device_loop`: one per batch shape
 
     def warmup(self, max_draft_tokens: int) -> dict[str, float]:
         """Capture now the CUDA graphs of every step shape this engine can run (batch sizes up to max_batch_size;
@@ -247,6 +251,9 @@ class SpeculativeEngine:
 
     def _run(self, states: list[RequestState], spec: SpecParams) -> Iterator[StreamEvent]:
         """Continuous batching: admit while slots are free, step all active requests, retire finished."""
+        if self._device_loop_fits(states):
+            yield from self._run_device_loop(states, spec)
+            return
         waiting = list(states)
         active: list[tuple[RequestState, int]] = []  # (state, target slot)
         try:
@@ -269,6 +276,78 @@ class SpeculativeEngine:
             for state, slot in active:
                 state.abort()
                 self._retire(state, slot)
+
+    def _device_loop_fits(self, states: list[RequestState]) -> bool:
+        """`EngineConfig.device_loop` applies (None: where the step can be captured): one draft model or none, a
+        fixed K, every request admitted at once."""
+        drafter = self.drafter
+        plain = drafter is None or type(drafter) in (ModelDrafter, SyntheticDrafter)
+        enabled = self.config.device_loop
+        if enabled is None:
+            enabled = device_resident(self.target) and (drafter is None or device_resident(drafter.model))
+        return (plain and enabled and self.k_policy is None and self.head is None
+                and 0 < len(states) <= len(self._free_slots))
+
+    def _run_device_loop(self, states: list[RequestState], spec: SpecParams) -> Iterator[StreamEvent]:
+        """The batch on `pipeline.device_loop.DeviceLoop`: step t+1 is launched before step t's tokens are read."""
+        slots = [self._free_slots.pop() for _ in states]
+        active = list(zip(states, slots))
+        try:
+            for state, slot in active:
+                self._prefill(state, slot)
+            loop = self._device_loop(states, slots, spec)
+            loop.launch()
+            while True:
+                # Step t+1 goes out before step t is read, unless step t surely ends every row (max_tokens).
+                if any(not s.finished and s.remaining > 1 for s in states):
+                    loop.launch()
+                t0 = time.perf_counter()
+                num_accepted, emitted = loop.collect()
+                self.timings.target_s += time.perf_counter() - t0  # waiting for the device
+                self.timings.steps += 1
+                done = []
+                for b, state in enumerate(states):
+                    if state.finished:
+                        continue
+                    committed, text = commit(state, Verdict(loop.k, num_accepted[b], emitted[b]))
+                    if state.finished:
+                        done.append(b)
+                    yield StreamEvent(state.request_id, committed, text, state.finished,
+                                      self._result(state) if state.finished else None)
+                if all(s.finished for s in states):
+                    break
+                if done:
+                    loop.freeze(done)
+                if not loop.in_flight:
+                    loop.launch()
+        finally:
+            for state, slot in active:
+                if not state.finished:
+                    state.abort()
+                self._retire(state, slot)
+
+    def _device_loop(self, states: list[RequestState], slots: list[int], spec: SpecParams) -> DeviceLoop:
+        """The loop of this batch's shape (kept: its captured graph serves every later batch of the shape), loaded
+        with the batch."""
+        device = self.target.device if hasattr(self.target, "device") else torch.device("cpu")
+        sampling = SamplingTensors.from_params([s.params for s in states], device)
+        drafter = _model_drafter(self.drafter)
+        k = spec.num_draft_tokens if drafter is not None else 0
+        overrides = d_slots = None
+        if drafter is not None:
+            d_slots = [drafter._slot(s.request_id, {s.request_id for s in states}) for s in states]
+            if hasattr(drafter, "loop_overrides"):  # a synthetic-acceptance drafter: its proposals are the batch's
+                overrides = drafter.loop_overrides(states, device)
+        key = (len(states), k, spec.draft_top_k, sampling.all_greedy, sampling.any_greedy, sampling.needs_truncation,
+               overrides is not None)
+        loop = self._loops.get(key)
+        if loop is None:
+            loop = self._loops[key] = DeviceLoop(
+                self.target, len(states), sampling, k, None if drafter is None else drafter.model, spec.draft_top_k,
+                None if drafter is None else drafter._out_ids, overrides)
+        loop.start([s.context for s in states], [s.step for s in states], [s.remaining for s in states], slots,
+                   d_slots, sampling, overrides)
+        return loop
 
     def _retire(self, state: RequestState, slot: int) -> None:
         self._free_slots.append(slot)

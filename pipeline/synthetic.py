@@ -146,6 +146,19 @@ class SyntheticDrafter(ModelDrafter):
         out = props[n - plen: n - plen + k]
         return out + [(int(row.context[-1]) + 1 + j) % self.recording.vocab_size for j in range(k - len(out))]
 
+    def loop_overrides(self, states: Sequence, device: torch.device | str):  # -> pipeline.device_loop.Overrides
+        """This drafter's proposals for a device loop over requests `states` (each with `request_id`, `context`):
+        per row its recorded proposals and where they start (rows of no recorded prompt: never, so the loop proposes
+        what `synthetic` does for them)."""
+        from pipeline.device_loop import Overrides
+
+        found = [self._record_of(s.request_id, s.context) for s in states]
+        props = [self._proposals[h[0]] if h is not None else [] for h in found]
+        width = self.model.max_len  # one shape per batch size: a device loop keeps its graph
+        starts = [h[1] if h is not None else 1 << 40 for h in found]
+        tokens = _padded([p[:width] for p in props], width).to(device)
+        return Overrides(tokens, torch.tensor(starts, dtype=torch.int64, device=device), self.recording.vocab_size)
+
     def propose(self, rows, k, sampling, steps, draft_top_k) -> DraftBlock:
         super().propose(rows, k, sampling, steps, draft_top_k)  # the draft model's real work; its tokens dropped
         drafts = [self.synthetic(r, k) for r in rows]

@@ -317,6 +317,7 @@ class GraphCausalLM:
         self._tp_sites = None  # tensor parallel: pipeline.models.tp_fused.SiteBuffers (set by tensor_parallel_graphs)
         self._bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._outs: dict[tuple[int, int], torch.Tensor] = {}  # (Bb, Tb) -> static logits, shared by every Sb
+        self._static_outs: dict[tuple[int, int], torch.Tensor] = {}  # (B, T) -> logits of `forward_static`
         if runner.num_slots > 0:
             self.allocate(runner.num_slots, runner.max_len)
 
@@ -403,6 +404,24 @@ class GraphCausalLM:
         only, so a target that feeds a feature head steps eagerly."""
         self.stats.eager_calls += 1
         return self.runner.forward_features(tokens, positions, slots, layers, logits_from)
+
+    def device_resident(self) -> bool:
+        """Whether `forward_static` may run: a forward whose positions stay on the device with no host read (the
+        Triton attention reads each row's keys up to its own position), which a caller can capture whole."""
+        return self.attention == "triton" and self.use_graphs
+
+    def forward_static(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One forward of B rows x T tokens with every input on the device, no padding and no host read, returning
+        logits [B, T, V] in a buffer of this shape that the next call of the same shape overwrites. For callers that
+        capture a larger piece of work as their own CUDA graph (`pipeline.device_loop`)."""
+        assert self.device_resident(), "forward_static needs the Triton attention on the CUDA-graph path"
+        B, T = tokens.shape
+        out = self._static_outs.get((B, T))
+        if out is None:
+            vocab = self.runner.model.output.weight.shape[0]
+            out = self._static_outs[(B, T)] = torch.empty(B, T, vocab, device=self.device)
+        self._static_forward(tokens, positions, slots, self.max_len, out)
+        return out
 
     def _result(self, logits: torch.Tensor) -> torch.Tensor:
         """What `forward` returns for a view of a graph's static logits: a copy (the next replay overwrites them).

@@ -1,0 +1,102 @@
+"""The device loop (`EngineConfig.device_loop`): the same algorithm as the step-by-step path, read back one step
+behind. Its outputs must equal the step path's token for token, greedy and seeded sampled (the drafts, the
+uniforms and the verification are the same functions of (seed, step)), with rows that end at different steps."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pipeline.config import EngineConfig, SamplingParams, SpecParams
+from pipeline.drafters import ModelDrafter, build_drafter
+from pipeline.engine import SpeculativeEngine
+from pipeline.models.loader import load_model
+from pipeline.synthetic import Recording
+
+PROMPTS = [[5, 17, 33, 17, 33, 9], [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [100, 7]]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_models):
+    target, _ = load_model(str(tiny_models["llama"]))
+    draft, _ = load_model(str(tiny_models["draft"]))
+    return target, draft
+
+
+def _engine(target, drafter, loop: bool) -> SpeculativeEngine:
+    return SpeculativeEngine(target, None, drafter, EngineConfig(max_batch_size=4, max_seq_len=256, device_loop=loop))
+
+
+def _run(target, draft, loop: bool, params, k: int = 4):
+    drafter = None if draft is None else ModelDrafter(draft)
+    engine = _engine(target, drafter, loop)
+    results = engine.generate_batch(PROMPTS, params, SpecParams(num_draft_tokens=k))
+    return [r.token_ids for r in results], [r.stats["target_passes"] for r in results], engine
+
+
+def test_greedy_equals_the_step_path_and_the_target(models):
+    target, draft = models
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (40, 23, 7)]  # rows end at different steps
+    want, passes, _ = _run(target, draft, False, params)
+    got, got_passes, engine = _run(target, draft, True, params)
+    assert got == want
+    assert got_passes == passes  # the same drafts: the same passes
+    only, _, _ = _run(target, None, True, params)
+    assert only == want  # and the target's own greedy output
+    assert engine.timings.steps >= max(passes)  # it ran the loop, one collected step per pass
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_seeded_sampling_equals_the_step_path_and_replays(models, k):
+    target, draft = models
+    params = [SamplingParams(max_tokens=30, temperature=t, top_p=p, seed=s, ignore_eos=True)
+              for t, p, s in ((0.8, 1.0, 11), (1.0, 0.9, 12), (0.0, 1.0, 13))]  # a greedy row among sampled ones
+    want, _, _ = _run(target, draft if k else None, False, params, k)
+    got, _, _ = _run(target, draft if k else None, True, params, k)
+    again, _, _ = _run(target, draft if k else None, True, params, k)
+    assert got == want
+    assert again == got
+    other = [SamplingParams(max_tokens=30, temperature=0.8, seed=s + 100, ignore_eos=True) for s in (11, 12, 13)]
+    assert _run(target, draft if k else None, True, other, k)[0] != got  # the seed matters (negative control)
+
+
+def test_eos_ends_a_row_and_the_others_go_on(models):
+    target, draft = models
+    greedy, _, _ = _run(target, None, False, SamplingParams(max_tokens=30, ignore_eos=True), 0)
+    eos = greedy[0][5]  # make row 0's sixth token an end-of-sequence token
+    saved = target.info
+    target.info = dataclasses.replace(saved, eos_token_ids=(eos,))
+    try:
+        params = SamplingParams(max_tokens=30)
+        want, _, _ = _run(target, draft, False, params)
+        got, _, _ = _run(target, draft, True, params)
+    finally:
+        target.info = saved
+    assert got == want
+    assert len(got[0]) <= 6 and max(len(g) for g in got) > 6
+
+
+def test_synthetic_drafter_equals_the_step_path(models, tiny_models, tmp_path):
+    target, _ = models
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    outputs, _, _ = _run(target, None, False, params, 0)
+    rec = tmp_path / "rec.json"
+    Recording(PROMPTS[:2], outputs[:2], target.info.vocab_size).save(rec)  # the third prompt is unrecorded
+    spec = f"synthetic:0.7:{tiny_models['draft']}:{rec}"
+    runs = []
+    for loop in (False, True):
+        engine = _engine(target, build_drafter(spec, target.info, None), loop)
+        results = engine.generate_batch(PROMPTS, params, SpecParams(num_draft_tokens=4))
+        runs.append(([r.token_ids for r in results], [r.stats["target_passes"] for r in results]))
+    assert runs[1] == runs[0]
+    assert runs[1][0] == outputs
+    assert sum(runs[1][1][:2]) < sum(len(o) for o in outputs[:2]) * 0.6  # recorded rows are accepted often
+
+
+def test_other_drafters_take_the_step_path(models):
+    target, draft = models
+    engine = _engine(target, build_drafter("prompt-lookup", target.info, None), True)
+    assert not engine._device_loop_fits(engine._make_states(PROMPTS, None, False))
+    engine = _engine(target, ModelDrafter(draft), True)
+    assert not engine._device_loop_fits(engine._make_states(PROMPTS * 2, None, False))  # more rows than slots
