@@ -309,6 +309,32 @@ def test_greedy_with_an_fp8_drafter_equals_the_float32_target():
     assert drafter.model.stats.fused_runs > 0
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_device_loop_equals_the_step_path_fp32():
+    """The device loop (one captured CUDA graph a step, read one step behind) gives the step-by-step path's tokens,
+    greedy and seeded sampled, with rows that end at different steps, and reads no position back from the device."""
+    dev = torch.device("cuda")
+    tiny = replace(SMALL, n_layers=2, dim=256, n_heads=8, n_kv_heads=2, head_dim=32, intermediate_size=512,
+                   vocab_size=512)
+    prompts = [[5, 17, 33, 17, 33, 9], list(range(40, 70)), [100, 7]]
+    runs = {}
+    for loop in (False, True):
+        target = random_llama(tiny, dev, torch.float32, seed=3)
+        drafter = ModelDrafter(random_llama(replace(tiny, n_layers=1), dev, torch.float32, seed=3))
+        engine = SpeculativeEngine(target, None, drafter, EngineConfig(max_batch_size=3, max_seq_len=128,
+                                                                       device_loop=loop))
+        greedy = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (40, 9, 33)]
+        sampled = [SamplingParams(max_tokens=30, temperature=0.8, top_p=0.95, seed=s, ignore_eos=True)
+                   for s in (1, 2, 3)]
+        runs[loop] = [[r.token_ids for r in engine.generate_batch(prompts, p, SpecParams(4))]
+                      for p in (greedy, sampled, sampled)]
+        if loop:
+            assert any(lp._graph is not None for lp in engine._loops.values())
+            assert engine.target.stats.host_syncs == 0 and drafter.model.stats.host_syncs == 0
+    assert runs[True] == runs[False]
+    assert runs[True][1] == runs[True][2]  # seeded requests replay
+
+
 def test_float32_graph_logits_do_not_depend_on_the_step_shape():
     """A float32 model's logits for a token must not depend on whether it was fed alone (decode, T = 1) or in a
     verify block (T = 5): otherwise greedy output with speculation differs from without it (seen on an H100 when
