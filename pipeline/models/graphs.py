@@ -326,8 +326,6 @@ class GraphCausalLM:
         why = None
         if self.attention != "triton":
             why = "the Triton attention"
-        elif self.args.family.qk_norm:
-            why = "a model without q/k norms"
         elif cfg.fused_rope is False:
             why = "the fused RoPE/cache write"
         elif self.dtype not in fl.HALF_DTYPES:
@@ -550,8 +548,7 @@ class GraphCausalLM:
         pos = positions[:, None] + self._arange[:T]  # [B, T]
         scale = 1.0 / math.sqrt(D)  # SDPA's default
         triton = self.attention == "triton"
-        # The fused RoPE/cache write has no q/k norms: such a model (Qwen3) rotates in `attn_in`.
-        fused_rope = (triton if self.config.fused_rope is None else self.config.fused_rope) and not a.family.qk_norm
+        fused_rope = triton if self.config.fused_rope is None else self.config.fused_rope
         if not fused_rope:
             cos = self.runner._cos[pos].unsqueeze(2)  # [B, T, 1, D]
             sin = self.runner._sin[pos].unsqueeze(2)
@@ -562,7 +559,8 @@ class GraphCausalLM:
         for w, k_cache, v_cache in zip(self._layers, self.runner.k_caches, self.runner.v_caches):
             if fused_rope:
                 qkv = self._qkv_proj(x, w.attn_norm, w.wqkv, w.bqkv, a.norm_eps, lk)
-                q = triton_rope_write(qkv, self.runner._cos, self.runner._sin, pos, slots, k_cache, v_cache, a.n_heads)
+                q = triton_rope_write(qkv, self.runner._cos, self.runner._sin, pos, slots, k_cache, v_cache, a.n_heads,
+                                      q_norm=w.q_norm, k_norm=w.k_norm, eps=a.norm_eps)
             else:
                 q, k, v = self._attn_in(x, w.attn_norm, w.wqkv, w.bqkv, cos, sin, a.norm_eps, a.n_heads, Hkv, lk,
                                         w.q_norm, w.k_norm)
@@ -600,7 +598,7 @@ class GraphCausalLM:
             wqkv, s_qkv = mat("wqkv")
             qkv = fl.fused_linear(x, wqkv, w.bqkv, norm_w=w.attn_norm, eps=eps, use_pdl=p, w_scale=s_qkv, **kw)
             q = triton_rope_write(qkv.view(B, T, -1), r._cos, r._sin, pos, slots, k_cache, v_cache, a.n_heads,
-                                  use_pdl=p)
+                                  use_pdl=p, q_norm=w.q_norm, k_norm=w.k_norm, eps=eps)
             y = triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, a.sliding_window, use_pdl=p)
             wo, s_o = mat("wo")
             fl.fused_linear_heads(y, T, wo, w.bo, use_pdl=p, w_scale=s_o, **add_to_x(2 * i), **kw)

@@ -59,9 +59,13 @@ def torch_rope_write(
     k_cache: torch.Tensor,  # [num_slots, Hkv, max_len, D]
     v_cache: torch.Tensor,
     n_heads: int,
+    q_norm: torch.Tensor | None = None,  # [D] q/k norm weights (Qwen3); None: none
+    k_norm: torch.Tensor | None = None,
+    eps: float = 0.0,
 ) -> torch.Tensor:  # [B, Hkv, G*T, D]
     _, Hkv, L, D = k_cache.shape
-    q, k, v = rope_split(qkv, cos_table[pos].unsqueeze(2), sin_table[pos].unsqueeze(2), n_heads, Hkv)
+    q, k, v = rope_split(qkv, cos_table[pos].unsqueeze(2), sin_table[pos].unsqueeze(2), n_heads, Hkv, q_norm, k_norm,
+                         eps)
     rows = cache_rows(slots, pos, Hkv, L)
     k_cache.view(-1, D).index_copy_(0, rows, k)
     v_cache.view(-1, D).index_copy_(0, rows, v)
@@ -71,7 +75,8 @@ def torch_rope_write(
 def triton_rope_write(
     qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, use_pdl: bool = False,
-) -> torch.Tensor:  # [B, Hkv, G*T, D]; same signature as torch_rope_write (use_pdl: pipeline.models.pdl)
+    q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 0.0,
+) -> torch.Tensor:  # [B, Hkv, G*T, D]; torch_rope_write's signature (use_pdl: pipeline.models.pdl; q/k norms: Qwen3)
     from pipeline.models import rope_write_triton as kern
     from pipeline.models.pdl import launch_kwargs
 
@@ -86,11 +91,13 @@ def triton_rope_write(
                            "before triton is first imported")
     qkv2 = qkv.reshape(B * T, width)
     q = torch.empty(B, Hkv, (n_heads // Hkv) * T, D, dtype=qkv.dtype, device=qkv.device)
+    assert (q_norm is None) == (k_norm is None), "q and k norms come together"
+    norms = (q_norm, k_norm) if q_norm is not None else (cos_table, cos_table)  # unread without QK_NORM
     kern.rope_cache_write_kernel[(B * T,)](
-        qkv2, cos_table, sin_table, pos, slots, k_cache, v_cache, q,
-        T, qkv2.stride(0), cos_table.stride(0), *pos.stride(),
+        qkv2, cos_table, sin_table, pos, slots, k_cache, v_cache, q, *norms,
+        T, float(eps), qkv2.stride(0), cos_table.stride(0), *pos.stride(),
         *k_cache.stride()[:3], *v_cache.stride()[:3], *q.stride()[:3],
         H=n_heads, HKV=Hkv, D=D, HALF_P=_pow2(D // 2), HEADS_P=_pow2(n_heads + Hkv), KV_P=_pow2(Hkv), D_P=_pow2(D),
-        USE_PDL=use_pdl, num_warps=4, **launch_kwargs(use_pdl),
+        USE_PDL=use_pdl, QK_NORM=q_norm is not None, num_warps=4, **launch_kwargs(use_pdl),
     )
     return q

@@ -1,7 +1,8 @@
 """Triton kernel of `pipeline.models.rope_write` (imported lazily: this module needs triton).
 
 `rope_cache_write_kernel`: grid (B * T,). A program takes one token row of the fused q/k/v projection output,
-rotates its query and key heads (RoPE, HF's rotate-half convention, float32 math, one rounding), writes the
+(RMS-normalises each query and key head first, where the model has q/k norms: Qwen3) rotates its query and key
+heads (RoPE, HF's rotate-half convention, float32 math, one rounding), writes the
 queries stacked per KV head (`q[b, h // G, (h % G) * T + t, :]`, the attention kernels' layout) and the
 rotated keys and the values into the row's slot of the cache at the token's position. It replaces the RoPE,
 permute and two `index_copy_` kernels of the reference path with one launch per layer.
@@ -15,8 +16,8 @@ import triton.language as tl
 
 @triton.jit
 def rope_cache_write_kernel(
-    QKV, COS, SIN, POS, SLOTS, KC, VC, QOUT,
-    T,
+    QKV, COS, SIN, POS, SLOTS, KC, VC, QOUT, QN, KN,
+    T, EPS,
     s_qkv_r, s_cos, s_pb, s_pt,
     s_kn, s_kh, s_kl,
     s_vn, s_vh, s_vl,
@@ -29,6 +30,7 @@ def rope_cache_write_kernel(
     KV_P: tl.constexpr,  # >= HKV
     D_P: tl.constexpr,  # >= D
     USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (pipeline.models.pdl)
+    QK_NORM: tl.constexpr = False,  # RMSNorm over each q and k head (weights QN, KN [D]) before RoPE
 ):
     r = tl.program_id(0)  # token row b * T + t
     if USE_PDL:
@@ -54,10 +56,18 @@ def rope_cache_write_kernel(
     ld = h_ok[:, None] & j_ok[None, :]
     x1 = tl.load(row + j[None, :], mask=ld, other=0.0).to(tl.float32)
     x2 = tl.load(row + HALF + j[None, :], mask=ld, other=0.0).to(tl.float32)
+    is_q = hd < H
+    if QK_NORM:  # HF's RMSNorm over the head's D features, in float32
+        inv = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + EPS)  # [HEADS_P]
+        wq1 = tl.load(QN + j, mask=j_ok, other=0.0).to(tl.float32)
+        wq2 = tl.load(QN + HALF + j, mask=j_ok, other=0.0).to(tl.float32)
+        wk1 = tl.load(KN + j, mask=j_ok, other=0.0).to(tl.float32)
+        wk2 = tl.load(KN + HALF + j, mask=j_ok, other=0.0).to(tl.float32)
+        x1 = x1 * inv[:, None] * tl.where(is_q[:, None], wq1[None, :], wk1[None, :])
+        x2 = x2 * inv[:, None] * tl.where(is_q[:, None], wq2[None, :], wk2[None, :])
     o1 = x1 * c1[None, :] - x2 * s1[None, :]  # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1)
     o2 = x2 * c2[None, :] + x1 * s2[None, :]
 
-    is_q = hd < H
     q_row = QOUT + b * s_ob + (hd // G) * s_oh + ((hd % G) * T + t) * s_om
     st = is_q[:, None] & j_ok[None, :]
     tl.store(q_row[:, None] + j[None, :], o1.to(QOUT.dtype.element_ty), mask=st)

@@ -244,7 +244,7 @@ def test_auto_attention_is_triton_on_cuda():
     assert graph.attention == ("triton" if HAS_TRITON else "sdpa")
 
 
-# The graph path's families: each one's layers at tiny sizes (Qwen3: q/k norms before RoPE, outside the fused kernels)
+# The graph path's families: each one's layers at tiny sizes (Qwen3: q/k norms in the RoPE/cache-write kernel)
 GREEDY_FAMILIES = {"llama": SMALL, "qwen3": SHAPES["qwen3-8b"]}
 
 

@@ -29,6 +29,7 @@ ROPE_CASES = [
     ("f32-mha-T3", 2, 3, 4, 4, 32, "float32"),
     ("f16-mqa-T2", 1, 2, 8, 1, 128, "float16"),
     ("f32-D24", 2, 2, 4, 2, 24, "float32"),
+    ("bf16-qk-norm-T3", 2, 3, 4, 2, 32, "bfloat16", True),  # Qwen3's q/k RMSNorm before RoPE
 ]
 GRAPH_CASES = ["graph-linear-triton"]
 # (id, mode, M, N, K, bias): the fused linear (pipeline.models.fused_linear) against the eager math it replaces
@@ -44,7 +45,8 @@ FUSED_CASES = [
 ]
 PRELOAD_CASES = ["fused-preload-bit-identical"]
 GEMV_CASES = ["fused-gemv-one-row", "fused-gemv-fp8-widen-bits"]
-FUSED_GRAPH_CASES = ["graph-fused-layer-bf16", "graph-fused-layer-bias-window-bf16", "graph-fused-layer-fp8"]
+FUSED_GRAPH_CASES = ["graph-fused-layer-bf16", "graph-fused-layer-bias-window-bf16", "graph-fused-layer-fp8",
+                     "graph-fused-layer-qk-norm-bf16"]
 # (id, ranks, rows): the tensor-parallel fused all-reduce (pipeline.models.tp_fused), ranks simulated in one process
 TP_FUSED_CASES = [("tp-fused-2-ranks", 2, 1), ("tp-fused-3-ranks-5-rows", 3, 5)]
 TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 3e-3}
@@ -63,7 +65,7 @@ def linear_case(torch, sl, M, N, K, dtype_name, bias, block_n, block_k, splits, 
     return {"err": err, "tol": TOL[dtype_name], "ok": bool(torch.isfinite(got).all())}
 
 
-def rope_case(torch, rw, B, T, H, Hkv, D, dtype_name) -> dict:
+def rope_case(torch, rw, B, T, H, Hkv, D, dtype_name, qk_norm: bool = False) -> dict:
     from pipeline.models.llama import rope_inv_freq
 
     dtype = getattr(torch, dtype_name)
@@ -79,8 +81,14 @@ def rope_case(torch, rw, B, T, H, Hkv, D, dtype_name) -> dict:
                   torch.randn(num_slots, Hkv, L, D, generator=g).to(dtype)) for k in ("ref",)}
     caches["tri"] = (caches["ref"][0].clone(), caches["ref"][1].clone())
     up = (caches["ref"][0].float(), caches["ref"][1].float())  # the float32 reference
-    want = rw.torch_rope_write(qkv.float(), cos.float(), sin.float(), pos, slots, *up, H)
-    got = rw.triton_rope_write(qkv, cos, sin, pos, slots, *caches["tri"], H)
+    norms = {}
+    if qk_norm:  # the reference norms in float32 from the same weights; scaled rows so the norm matters
+        qkv = (qkv.float() * (1 + 3 * torch.rand(B, T, 1, generator=g))).to(dtype)
+        norms = {"q_norm": (1 + 0.5 * torch.randn(D, generator=g)).to(dtype),
+                 "k_norm": (1 + 0.5 * torch.randn(D, generator=g)).to(dtype), "eps": 1e-6}
+    want = rw.torch_rope_write(qkv.float(), cos.float(), sin.float(), pos, slots, *up, H,
+                               **{k: v.float() if k != "eps" else v for k, v in norms.items()})
+    got = rw.triton_rope_write(qkv, cos, sin, pos, slots, *caches["tri"], H, **norms)
     scale = float(want.abs().max())
     err = max(float((got.float() - want).abs().max()) / scale,
               float((caches["tri"][0].float() - up[0]).abs().max()) / scale,
@@ -346,8 +354,10 @@ def fused_graph_case(torch, case: str) -> dict:
 
     bias_window = case.endswith("bias-window-bf16")
     fp8 = case.endswith("fp8")
-    # fp8: one layer (the float8 layer is checked bit for bit; the interpreter emulates float8 slowly)
-    args = replace(SHAPES["llama-1b"], dim=64, n_layers=1 if fp8 else 2, n_heads=4, n_kv_heads=2, head_dim=16,
+    # fp8: one layer (the float8 layer is checked bit for bit; the interpreter emulates float8 slowly);
+    # qk-norm: Qwen3's family (q/k RMSNorm before RoPE, in the fused RoPE/cache-write kernel)
+    base = SHAPES["qwen3-8b"] if case.endswith("qk-norm-bf16") else SHAPES["llama-1b"]
+    args = replace(base, dim=64, n_layers=1 if fp8 else 2, n_heads=4, n_kv_heads=2, head_dim=16,
                    intermediate_size=128, vocab_size=128, sliding_window=8 if bias_window else None)
     cfg = GraphConfig(graphs=False, compile=False, batch_buckets=(1, 2, 4), token_buckets=(1, 2, 4, 8), kv_block=16,
                       attention="triton", linear="torch", fused_rope=True)

@@ -161,7 +161,7 @@ def test_graph_path_refuses_the_families_it_lacks_with_the_reason(family_dir):
 
 
 def test_qwen3_static_path_equals_eager(family_dir):
-    """Qwen3 on the static-shape path (its q/k norms in `attn_in`, RoPE outside the fused kernels), uncaptured on
+    """Qwen3 on the static-shape path with the SDPA attention (its q/k norms in `attn_in`), uncaptured on
     CPU: ragged rows padded to buckets, past the window-sized contexts, equal the eager runner row by row."""
     from pipeline.models.graphs import GraphCausalLM, GraphConfig
 
