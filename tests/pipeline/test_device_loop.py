@@ -37,7 +37,7 @@ def _run(target, draft, loop: bool, params, k: int = 4):
 
 def test_greedy_equals_the_step_path_and_the_target(models):
     target, draft = models
-    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (40, 23, 7)]  # rows end at different steps
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (24, 13, 5)]  # rows end at different steps
     want, passes, _ = _run(target, draft, False, params)
     got, got_passes, engine = _run(target, draft, True, params)
     assert got == want
@@ -50,25 +50,25 @@ def test_greedy_equals_the_step_path_and_the_target(models):
 @pytest.mark.parametrize("k", [0, 3])
 def test_seeded_sampling_equals_the_step_path_and_replays(models, k):
     target, draft = models
-    params = [SamplingParams(max_tokens=30, temperature=t, top_p=p, seed=s, ignore_eos=True)
+    params = [SamplingParams(max_tokens=20, temperature=t, top_p=p, seed=s, ignore_eos=True)
               for t, p, s in ((0.8, 1.0, 11), (1.0, 0.9, 12), (0.0, 1.0, 13))]  # a greedy row among sampled ones
     want, _, _ = _run(target, draft if k else None, False, params, k)
     got, _, _ = _run(target, draft if k else None, True, params, k)
     again, _, _ = _run(target, draft if k else None, True, params, k)
     assert got == want
     assert again == got
-    other = [SamplingParams(max_tokens=30, temperature=0.8, seed=s + 100, ignore_eos=True) for s in (11, 12, 13)]
+    other = [SamplingParams(max_tokens=20, temperature=0.8, seed=s + 100, ignore_eos=True) for s in (11, 12, 13)]
     assert _run(target, draft if k else None, True, other, k)[0] != got  # the seed matters (negative control)
 
 
 def test_eos_ends_a_row_and_the_others_go_on(models):
     target, draft = models
-    greedy, _, _ = _run(target, None, False, SamplingParams(max_tokens=30, ignore_eos=True), 0)
+    greedy, _, _ = _run(target, None, False, SamplingParams(max_tokens=16, ignore_eos=True), 0)
     eos = greedy[0][5]  # make row 0's sixth token an end-of-sequence token
     saved = target.info
     target.info = dataclasses.replace(saved, eos_token_ids=(eos,))
     try:
-        params = SamplingParams(max_tokens=30)
+        params = SamplingParams(max_tokens=16)
         want, _, _ = _run(target, draft, False, params)
         got, _, _ = _run(target, draft, True, params)
     finally:
@@ -79,7 +79,7 @@ def test_eos_ends_a_row_and_the_others_go_on(models):
 
 def test_synthetic_drafter_equals_the_step_path(models, tiny_models, tmp_path):
     target, _ = models
-    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
     outputs, _, _ = _run(target, None, False, params, 0)
     rec = tmp_path / "rec.json"
     Recording(PROMPTS[:2], outputs[:2], target.info.vocab_size).save(rec)  # the third prompt is unrecorded
