@@ -37,7 +37,9 @@ def demo_path():
 
 
 # `make test` runs the suite on two pytest-xdist workers. Tests that start servers run in three groups, each whole
-# and in file order on one worker (the scheduler below); every other module runs whole on any worker.
+# and in file order on one worker (the scheduler below); every other module runs whole on any worker. The scopes go
+# out longest first (LONGEST_FIRST, then the rest by number of tests): the three groups take about two thirds of
+# the suite's time, and one that went out last would run alone at the end while the other worker idles.
 # - RAY_SESSIONS: two groups of tests on a local Ray and Serve of their worker (tests/support/serve.py), which stays
 #   up until the worker ends. The `ray up` cluster tests go first in theirs (they launch a cluster of their own and
 #   time its autoscaling, so they run before their worker starts the local Ray).
@@ -51,6 +53,17 @@ RAY_SESSIONS = {
 }
 OWN_SERVERS = ("tests/specserve/test_served.py", "tests/specserve/test_serve_signals.py", "tests/ops/test_soak.py")
 FIRST = "tests/ops/test_ray_up.py"
+# Longest first; seconds of one scope on a quiet 2-core CI run (both workers busy), for the order only.
+LONGEST_FIRST = (
+    "ray-cluster",  # ~700 s: `ray up` and its autoscaling, TP=2 apps, the chaos campaign
+    "ray-apps",  # ~600 s: five Serve apps
+    "own-servers",  # ~400 s: three `specserve serve` starts, the soak
+    "tests/pipeline/models/test_kernels.py",  # ~100 s: the Triton interpreter
+    "tests/specserve/test_cli.py",
+    "tests/pipeline/models/test_tensor_parallel.py",
+    "tests/pipeline/test_demo_model.py",
+    "tests/pipeline/models/test_decode_attention.py",
+)
 
 
 def pytest_configure(config):
@@ -68,22 +81,37 @@ def _module(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
+def _scope(nodeid: str) -> str:
+    """The scheduling unit of a test: its group, else its module."""
+    module = _module(nodeid)
+    group = next((name for name, modules in RAY_SESSIONS.items() if module in modules), None)
+    return group or ("own-servers" if module in OWN_SERVERS else module)
+
+
 def pytest_xdist_make_scheduler(config, log):
     """xdist's scope scheduling with the groups above as scopes, and each other module its own (so a module's
     fixtures, such as the Triton interpreter runs, are built once): a scope runs whole, in order, on one worker;
-    the largest go out first."""
+    scopes go out in the order of the collection (pytest_collection_modifyitems puts the longest first)."""
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False  # xdist would order the scopes by number of tests instead
 
     class GroupScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            module = _module(nodeid)
-            group = next((name for name, modules in RAY_SESSIONS.items() if module in modules), None)
-            return group or ("own-servers" if module in OWN_SERVERS else module)
+            return _scope(nodeid)
 
     return GroupScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
-    first = [item for item in items if _module(item.nodeid) == FIRST]
-    ids = {id(item) for item in first}
-    items[:] = first + [item for item in items if id(item) not in ids]
+    """Scopes in LONGEST_FIRST order, then the rest by number of tests (most first); within a scope, the order of
+    collection, except that FIRST leads its group."""
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[_scope(item.nodeid)] = counts.get(_scope(item.nodeid), 0) + 1
+
+    def rank(scope: str) -> tuple[int, int]:
+        return (LONGEST_FIRST.index(scope), 0) if scope in LONGEST_FIRST else (len(LONGEST_FIRST), -counts[scope])
+
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (rank(_scope(item.nodeid)), _module(item.nodeid) != FIRST, order[id(item)]))

@@ -86,19 +86,23 @@ def _serve_config(d: Deployed, tiny_models: dict) -> str:
 
 
 def _wait_running(d: Deployed, timeout: float = 300) -> dict:
+    """The app's details once RUNNING, from the dashboard's Serve REST API (what `serve status` shows), polled every
+    second: a `serve status` process per poll would cost seconds of CPU each while the replicas start."""
     deadline = time.time() + timeout
-    status: dict = {}
+    app: dict = {}
     while time.time() < deadline:
-        out = d.c.serve("status", "-a", d.c.dashboard, timeout=60)
-        if out.returncode == 0:
-            status = yaml.safe_load(out.stdout) or {}
-            app = (status.get("applications") or {}).get(APP) or {}
-            if app.get("status") == "RUNNING":
-                return app
-            if app.get("status") == "DEPLOY_FAILED":
-                raise AssertionError(f"deploy failed: {json.dumps(app, indent=1)[:3000]}")
-        time.sleep(2)
-    raise AssertionError(f"app not RUNNING after {timeout} s: {status}\n" + "\n".join(d.c.log[-3:]))
+        try:
+            apps = httpx.get(f"{d.c.dashboard}/api/serve/applications/", timeout=10).json()["applications"]
+            app = apps.get(APP) or {}
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass  # the dashboard is busy or Serve not up yet: ask again
+        if app.get("status") == "RUNNING":
+            return app
+        if app.get("status") == "DEPLOY_FAILED":
+            raise AssertionError(f"deploy failed: {json.dumps(app, indent=1)[:3000]}")
+        time.sleep(1)
+    raise AssertionError(f"app not RUNNING after {timeout} s: {json.dumps(app, indent=1)[:3000]}\n"
+                         + "\n".join(d.c.log[-3:]))
 
 
 @pytest.fixture(scope="module")

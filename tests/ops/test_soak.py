@@ -1,7 +1,8 @@
-"""`python -m ops.soak`, reduced to seconds: `specserve serve` with its metrics port, a 16-stream load, then the
-TTL. One server start checks the metrics port (printed at start, specserve's metrics and every metric the Grafana
-dashboard reads) and that the soak's own checks hold: no slot in use and no Redis key left
-once the load has stopped and request_ttl_s has passed."""
+"""`python -m ops.soak`, reduced to seconds: `specserve serve` with its metrics port, a 16-stream load (one round:
+16 streamed requests of 8 tokens, all at once), then the TTL. One server start checks the metrics port (printed at
+start, specserve's metrics and every metric the Grafana dashboard reads) and that the soak's own checks hold: no slot
+in use and no Redis key left once the load has stopped and request_ttl_s (its minimum, 10 s) has passed. The long
+soak (30 minutes, the curve of every process's RSS) is the command in docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ pytestmark = pytest.mark.slow
 def test_short_soak_metrics_port_and_ttl(tmp_path):
     out = tmp_path / "soak"
     proc = subprocess.run(
-        [sys.executable, "-m", "ops.soak", "--duration-s", "15", "--interval-s", "3", "--ttl-s", "10",
-         "--settle-s", "5", "--max-tokens", "24", "--out", str(out)],
+        [sys.executable, "-m", "ops.soak", "--duration-s", "1", "--interval-s", "2", "--ttl-s", "10",
+         "--settle-s", "3", "--max-tokens", "8", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     log = (out / "serve.log").read_text() if (out / "serve.log").exists() else ""
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{log[-3000:]}"

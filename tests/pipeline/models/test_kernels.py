@@ -3,7 +3,8 @@
 
 Always: the configuration planning of the linear kernel, the dispatch ('torch' is F.linear, rows past MAX_ROWS
 fall back), and the RoPE reference against the eager model's own attention input. Under Triton's CPU
-interpreter (skipped without triton; one child process, see tests/support/decode_attention_cases.py): the linear
+interpreter (skipped without triton; two child processes with half the cases each, see
+tests/support/decode_attention_cases.py for why children): the linear
 kernel against F.linear (1 to 40 rows, ragged N and K, bias, 1 to 8 splits, a transposed input, fp32/bf16/
 fp16), the fused RoPE/cache write against the reference (GQA, MHA, MQA, T = 1..5, an odd head_dim, and no
 write outside the rows' positions), a tiny model's static path with every kernel on against the
@@ -211,7 +212,7 @@ def test_rope_reference_matches_the_eager_attention():
 
 @pytest.fixture(scope="module")
 def interpreted_results():
-    return run_interpreted(cases.__file__)
+    return run_interpreted(cases.__file__, parts=2)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (its CPU interpreter)")
