@@ -227,6 +227,10 @@ class ModelDrafter:
         self.model.forward(prompt, zero, torch.tensor([slot], dtype=torch.int64), prompt.shape[1] - 1)
         self._fed[request_id] = list(context[:-1])  # propose then feeds only the last token
 
+    def cached(self, key: str) -> Sequence[int]:
+        """The tokens the cache slot of `key` (a request id, or a pre-speculation branch's key) holds."""
+        return self._fed.get(key, ())
+
     def release(self, request_id: str) -> None:
         slot = self._slots.pop(request_id, None)
         self._fed.pop(request_id, None)
@@ -243,6 +247,8 @@ class ModelDrafter:
         top_ids = torch.zeros(B, k, draft_top_k, dtype=torch.int64, device=device)
         top_probs = torch.zeros(B, k, draft_top_k, dtype=torch.float32, device=device)
         u = uniform(sampling.seeds, steps, Stream.DRAFT, k).to(device)  # [B, K]
+        if sampling.any_greedy:  # a greedy row takes its top entry, the argmax (u = 0 draws index 0)
+            u = torch.where((sampling.temperature == 0).to(device)[:, None], 0.0, u)
         for j in range(k):
             ids, probs = self._sparse(logits[:, 0], sampling, draft_top_k)  # [B, k'], [B, k']
             choice = sample_from_probs(probs, u[:, j])  # [B]
@@ -290,7 +296,7 @@ class ModelDrafter:
     def _sparse(
         self, logits: torch.Tensor, sampling: SamplingTensors, top_k: int
     ) -> tuple[torch.Tensor, torch.Tensor]:  # ids [B, k'] (real token ids), probs [B, k'] (sum to 1)
-        return sparse_draft(logits, sampling, top_k, self._out_ids)
+        return sparse_draft(logits, sampling, top_k, self._out_ids, greedy_spread=True)
 
 
 def sparse_draft(
@@ -298,10 +304,18 @@ def sparse_draft(
     sampling: SamplingTensors,  # per row
     top_k: int,
     out_ids: torch.Tensor | None = None,  # [V'] int64: logit j is token out_ids[j]; None: logit j is token j
+    greedy_spread: bool = False,  # greedy rows ship the model's own distribution (temperature 1), argmax first
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ids [B, k'] (real token ids), probs [B, k'] (sum to 1)
     """The distribution a model drafter samples from and ships: its logits warped as the target's are, cut to the
-    top-k and renormalised (the verifier gets exactly this distribution, so acceptance stays exact)."""
+    top-k and renormalised (the verifier gets exactly this distribution, so acceptance stays exact).
+
+    With `greedy_spread`, a greedy row ships its unwarped distribution instead of a point mass, its argmax first (the
+    caller takes entry 0): verification treats a greedy row's draft as a point mass whatever it ships
+    (`pipeline.rejection`), and pre-speculation (`pipeline.prespec`) ranks a step's likely outcomes with it."""
     probs = warp(logits[:, None, :], sampling)[:, 0]  # [B, V']
+    if greedy_spread and sampling.any_greedy:
+        greedy = (sampling.temperature == 0).to(probs.device)[:, None]  # [B, 1]
+        probs = torch.where(greedy, torch.softmax(logits.float(), dim=-1), probs)
     k = min(top_k, probs.shape[-1])
     top_probs, top_idx = probs.topk(k, dim=-1)  # [B, k]
     top_probs = top_probs / top_probs.sum(-1, keepdim=True)
