@@ -283,13 +283,18 @@ class ModelDrafter:
             pending.append(list(ctx[keep:]))
             starts.append(keep)
             self._fed[r.request_id] = ctx  # a list of its own (`_as_list`)
+        # One forward, right-padded; unless a long catch-up (a fresh slot) sits beside a row far into its context,
+        # whose padding would run past its cache: then a forward per row.
         width = max(len(p) for p in pending)
-        tokens = torch.zeros(B, width, dtype=torch.int64)
-        for b, p in enumerate(pending):
-            tokens[b, : len(p)] = torch.tensor(p, dtype=torch.int64)
-        last = torch.tensor([len(p) - 1 for p in pending], dtype=torch.int64, device=device)
-        logits = self.model.forward(tokens.to(device), torch.tensor(starts, dtype=torch.int64), slots)
-        logits = logits[torch.arange(B, device=device), last][:, None, :]  # [B, 1, V']
+        groups = [list(range(B))] if max(starts) + width <= self.model.max_len else [[b] for b in range(B)]
+        parts = []
+        for group in groups:
+            tokens = _padded([pending[b] for b in group], max(len(pending[b]) for b in group))
+            last = torch.tensor([len(pending[b]) - 1 for b in group], dtype=torch.int64, device=device)
+            out = self.model.forward(tokens.to(device), torch.tensor([starts[b] for b in group], dtype=torch.int64),
+                                     slots[group])
+            parts.append(out[torch.arange(len(group), device=device), last])  # [G, V']
+        logits = (parts[0] if len(parts) == 1 else torch.cat(parts))[:, None, :]  # [B, 1, V']
         positions = torch.tensor([len(r.context) for r in rows], dtype=torch.int64)
         return logits, slots, positions
 
