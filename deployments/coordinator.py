@@ -301,7 +301,8 @@ class Coordinator:
             if pre.hit < 0 and state.params.greedy:
                 self._drop_predraft(run)  # a sampled request's is settled before its next draft
         if predrafted:
-            run.overlap_hit_rate = 0.7 * run.overlap_hit_rate + 0.3 * (run.pre is not None)
+            hit = run.pre is not None and run.pre.hit >= 0
+            run.overlap_hit_rate = 0.7 * run.overlap_hit_rate + 0.3 * hit
         if want > 0 and not draft.tokens:
             run.counters["steps_without_draft"] += 1  # no drafter reachable, or prompt lookup found nothing
         event = StepEvent(expected_step, committed, text, state.finish_reason)
