@@ -100,6 +100,38 @@ def test_workers_with_prespeculation_run_the_engines_steps(tiny_models, drafter,
         assert misses == 0 and hits == len(steps)
 
 
+def test_a_late_or_stale_prespeculation_changes_nothing(tiny_models):
+    """A pre-speculation call that runs after the next step's fresh draft (its cancellation came too late) leaves the
+    worker's mirror of the context and the drafts that follow as they were; one of a coordinator that lost the
+    request (an older epoch) is refused."""
+    from deployments.drafter_replica import DrafterWorker
+    from deployments.messages import PrespecCall, ProposeCall
+    from deployments.workers import STALE
+    from pipeline.config import SamplingParams
+
+    params = SamplingParams(temperature=0.9, seed=11, max_tokens=64, ignore_eos=True)
+    worker = DrafterWorker(str(tiny_models["draft"]), max_batch_size=2, max_seq_len=MAX_SEQ_LEN, prespec_branches=2)
+    clean = DrafterWorker(str(tiny_models["draft"]), max_batch_size=2, max_seq_len=MAX_SEQ_LEN)
+    for w in (worker, clean):
+        asyncio.run(w.admit("r"))
+
+    def propose(w, base, new, step, epoch=2):
+        return w._run_batch([ProposeCall("r", base, new, K, params, step, 64, epoch=epoch)])[0]
+
+    first = propose(worker, 0, PROMPT, 0)
+    ctx1 = PROMPT + [5]  # the step's outcome: no draft accepted, recovered token 5 (no branch guessed it)
+    fresh = propose(worker, len(PROMPT), [5], 1)
+    late = PrespecCall("r", len(PROMPT), [], [[*first.tokens, 9], [1]], [K, K], params, 1, 64, epoch=2)
+    drafts = worker._run_batch([late])[0]
+    assert len(drafts) == 2 and all(d is not None for d in drafts)
+    assert worker._ctx["r"] == ctx1  # not shortened to the context the call was made for
+    assert propose(worker, len(ctx1), [], 1).tokens == fresh.tokens == propose(clean, 0, ctx1, 1, 1).tokens
+    assert worker._run_batch([PrespecCall("r", len(ctx1), [], [[3]], [K], params, 2, 64, epoch=1)])[0] == STALE
+    assert worker._ctx["r"] == ctx1
+    asyncio.run(worker.release(["r"], 2))
+    assert not any(worker.drafter.cached(k) for k in ("r", "r\x1f1", "r\x1f2"))  # every branch slot freed
+
+
 @pytest.fixture(scope="module")
 def server(tiny_models):
     from ray import serve
