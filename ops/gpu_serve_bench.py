@@ -22,6 +22,11 @@ requests are greedy with `ignore_eos`:
    request starts once the workers have freed the previous one's slots (at most 1 s; a slot still held then is
    logged with its state and freed by the bench, since the next request would queue for 30 s behind it).
 
+`--prespec-branches B` sets `coordinator.prespec_branches` (pre-speculation: the drafter drafts the next step for the
+step's B likeliest outcomes while the target verifies); the timeline reports its hits by accepted length. The
+synthetic drafter ships point masses (no distribution to rank outcomes by), so it pre-speculates one branch whatever
+B is: every draft accepted, then its guess of the bonus token.
+
 `--in-process-last` runs part 2 first and part 1 afterwards on the same GPU, while `--budget-s` allows: the
 recording is then the HTTP target-only output, and the in-process target-only output is checked against it.
 `--order` names the parts in any order (`separate,in-process,colocated`); the first part that serves target-only
