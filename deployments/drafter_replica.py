@@ -82,6 +82,8 @@ class DrafterWorker:
         # (ModelDrafter, the synthetic drafter). A drafter through text keeps per-request state: no branches.
         self.branches = (min(prespec_branches, physical // num_slots - 1) if isinstance(self.drafter, ModelDrafter)
                          else 0)
+        if self.branches:
+            self.drafter.greedy_spread = True  # greedy rows ship what ranks their outcomes
         self._ctx: dict[str, list[int]] = {}
         self.epochs = EpochFence()  # calls of a coordinator that lost the request are refused (STALE)
         # Admission is never refused here (max_waiting: every request that holds a target slot may queue).

@@ -197,6 +197,9 @@ class ModelDrafter:
         ids = getattr(model.info, "output_token_ids", None)
         self._out_ids = None if ids is None else torch.as_tensor(ids, dtype=torch.int64)
         self.device = torch.device(getattr(model, "device", "cpu"))
+        # Greedy rows ship the model's own distribution (`sparse_draft`'s greedy_spread): set where pre-speculation
+        # ranks outcomes with it (a Serve drafter worker with branches); off, a greedy row ships a point mass.
+        self.greedy_spread = False
 
     def _slot(self, request_id: str, busy: set[str]) -> int:
         """The request's cache slot (most recently used order). When all are taken, the least recently used
@@ -247,7 +250,7 @@ class ModelDrafter:
         top_ids = torch.zeros(B, k, draft_top_k, dtype=torch.int64, device=device)
         top_probs = torch.zeros(B, k, draft_top_k, dtype=torch.float32, device=device)
         u = uniform(sampling.seeds, steps, Stream.DRAFT, k).to(device)  # [B, K]
-        if sampling.any_greedy:  # a greedy row takes its top entry, the argmax (u = 0 draws index 0)
+        if self.greedy_spread and sampling.any_greedy:  # a greedy row takes its top entry, the argmax (u = 0: index 0)
             u = torch.where((sampling.temperature == 0).to(device)[:, None], 0.0, u)
         for j in range(k):
             ids, probs = self._sparse(logits[:, 0], sampling, draft_top_k)  # [B, k'], [B, k']
@@ -301,7 +304,7 @@ class ModelDrafter:
     def _sparse(
         self, logits: torch.Tensor, sampling: SamplingTensors, top_k: int
     ) -> tuple[torch.Tensor, torch.Tensor]:  # ids [B, k'] (real token ids), probs [B, k'] (sum to 1)
-        return sparse_draft(logits, sampling, top_k, self._out_ids, greedy_spread=True)
+        return sparse_draft(logits, sampling, top_k, self._out_ids, self.greedy_spread)
 
 
 def sparse_draft(
