@@ -48,6 +48,7 @@ COORDINATOR = "Coordinator"
 DRAFTER = "Drafter"
 TARGET = "Target"
 EMBEDDED_REDIS = "EmbeddedRedis"
+PRESPEC_BRANCHES = 4  # coordinator.prespec_branches' default (docs/configuration.md says how it was chosen)
 
 
 class _Strict(BaseModel):
@@ -181,6 +182,15 @@ class CoordinatorConfig(_Strict):
     overlap: bool = Field(
         True, description="Draft the next block while the current one is verified (optimistic: assumes "
         "every draft token and the drafter's guess of the bonus token are accepted; discarded otherwise)."
+    )
+    prespec_branches: int = Field(
+        PRESPEC_BRANCHES, ge=1, le=16,
+        description="With overlap: outcomes of a step (accepted length, recovered or bonus token; ranked by the "
+        "drafter's own probabilities, pipeline.prespec) whose next draft the drafter prepares while the target "
+        "verifies, in one batched pass. Each costs a drafter KV-cache slot per request. 1: only the most likely one."
+    )
+    prespec_top_m: int = Field(
+        2, ge=1, le=8, description="Next-token candidates per accepted length that pre-speculation ranks."
     )
     adaptive_k: bool = Field(
         True, description="Greedy requests draft 0..K tokens per step, whichever the step times and acceptance this "

@@ -8,11 +8,13 @@ Per step (step t of a request with committed context C_t, last token "pending"),
 `pipeline.step` that `SpeculativeEngine` runs too:
 1. draft: the budget (`draft_budgets`), then the drafts: prompt lookup in-process, a model on a drafter worker,
    or lookup first and the model elsewhere (`lookup_first`). With overlap on, the drafter is asked for K+1
-   tokens: the last is its guess of the bonus token.
+   tokens: the last is its guess of the bonus token, and its distribution there ranks the bonus candidates.
 2. verify and accept: one call to the target worker (`verify_and_accept` there, batched with other requests'
    calls; uniforms from (seed, step)), which answers the emitted tokens (`Verdict`); while it runs, the
-   drafter already drafts step t+1 from C_t + draft + guess (optimistic: it is used only if all K were
-   accepted and the bonus token equals the guess, else discarded).
+   drafter already drafts step t+1 for the likeliest outcomes of step t (pre-speculation, `pipeline.prespec`:
+   accepted length and recovered/bonus token, ranked by the drafter's own probabilities, `prespec_branches` of
+   them in one batched pass). The verdict picks the branch it matches, whose draft is then used; else a fresh
+   draft is made.
 3. commit the verdict to the RequestState.
 4. persist the step to Redis *asynchronously* (ordered per request, fenced by owner and step; not on the
    critical path: a step lost in a crash is regenerated identically from (seed, step)), and yield it.
@@ -44,6 +46,7 @@ from deployments.config import DRAFTER, TARGET, AppConfig
 from deployments.messages import (
     ErrorEvent,
     GenerateRequest,
+    PrespecCall,
     ProposeCall,
     StepEvent,
     VerifyCall,
@@ -56,6 +59,7 @@ from deployments.workers import CACHE_MISS, STALE, WorkerPool, is_actor_lost
 from pipeline.config import SpecParams
 from pipeline.drafters import ProposeRow, lookup_first, lookup_part
 from pipeline.models.loader import load_tokenizer
+from pipeline.prespec import match_branch, rank_branches
 from pipeline.sequence import RequestState
 from pipeline.step import Draft, Verdict, commit, draft_budgets, new_k_policy, retire
 
@@ -64,15 +68,15 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _PendingPropose:
-    """A propose call for step `step` made optimistically, valid only if the context is then `context_len` long
-    and ends with `tail`."""
+    """Pre-speculation for step `step` (`pipeline.prespec`): the drafter drafts it for each context
+    `context[:base] + tails[i]` while the step before is verified; the verdict picks the branch it matches."""
 
     step: int
-    context_len: int
-    tail: list[int]
-    task: asyncio.Task
-    base_after: int  # the drafter's mirrored committed length if its draft is used
-    ref: Any = None  # the Ray call, cancelled in the drafter when the draft is dropped
+    base: int  # the committed length when it was sent: the drafter's mirror then holds context[:base]
+    tails: list[list[int]]  # per branch: the accepted drafts, then the guessed recovered or bonus token
+    task: asyncio.Task  # -> one Draft (or None) per branch, CACHE_MISS or STALE
+    ref: Any = None  # the Ray call, cancelled in the drafter when the drafts are dropped
+    hit: int = -1  # the branch the verdict matched; -1: none (yet)
 
 
 @dataclass
@@ -97,6 +101,8 @@ class _Run:
     timing: dict[str, float] = field(default_factory=lambda: {"draft_s": 0.0, "verify_s": 0.0, "step_s": 0.0})
     trace: Optional[dict] = None  # W3C context of this request's coordinator span (deployments.tracing)
     queue_wait_s: float = 0.0  # time spent waiting for KV-cache slots (target and drafter)
+    # accepted length of a step verified while pre-speculation was in flight -> [steps, steps a branch matched]
+    prespec_by_accepted: dict[int, list[int]] = field(default_factory=dict)
     counters: dict[str, int] = field(default_factory=lambda: {
         "overlap_tries": 0, "overlap_hits": 0, "target_replays": 0, "target_failovers": 0,
         "drafter_failovers": 0, "steps_without_draft": 0, "preemptions": 0})
@@ -258,13 +264,13 @@ class Coordinator:
         accept (on a target worker, batched there with other requests' rows), commit."""
         t0 = time.perf_counter()
         [want], adapt = draft_budgets([state], run.spec.num_draft_tokens, self.k_policy, max(self.active, 1))
-        draft, guess = await self._draft(run, state, want) if want > 0 else (Draft([]), None)
+        draft, answer = await self._draft(run, state, want) if want > 0 else (Draft([]), None)
         t1 = time.perf_counter()
         call = VerifyCall(request_id=state.request_id, start=state.length - 1, pending=state.last_token, draft=draft,
                           params=state.params, step=state.step, epoch=run.epoch)
         verify_task = asyncio.ensure_future(self._verify(run, call, state))
-        if guess is not None and self._overlap_wanted(run, state.step + 1):
-            self._predraft(run, state, draft, guess)
+        if answer is not None and self._overlap_wanted(run, state.step + 1):
+            self._prespeculate(run, state, draft, answer)
         predrafted = run.pre is not None
         try:
             verdict = await verify_task
@@ -283,13 +289,20 @@ class Coordinator:
             self.k_policy.observe(max(self.active, 1), k, time.perf_counter() - t0, [k], [num_accepted],
                                   timed=run.steps > 1)
         pre = run.pre
-        if pre is not None and not (
-            not state.finished and pre.step == state.step and pre.context_len == state.length
-            and state.context_view[-len(pre.tail):] == pre.tail
-        ):
-            self._drop_predraft(run)
+        if pre is not None:
+            pre.hit = -1 if state.finished or pre.step != state.step else match_branch(
+                pre.tails, state.context_view, pre.base)
+            if predrafted and not state.finished:
+                seen = run.prespec_by_accepted.setdefault(num_accepted, [0, 0])
+                seen[0] += 1
+                seen[1] += pre.hit >= 0
+                run.counters["overlap_hits"] += pre.hit >= 0
+                metrics.record_prespec(num_accepted, pre.hit >= 0)
+            if pre.hit < 0 and state.params.greedy:
+                self._drop_predraft(run)  # a sampled request's is settled before its next draft
         if predrafted:
-            run.overlap_hit_rate = 0.7 * run.overlap_hit_rate + 0.3 * (run.pre is not None)
+            hit = run.pre is not None and run.pre.hit >= 0
+            run.overlap_hit_rate = 0.7 * run.overlap_hit_rate + 0.3 * hit
         if want > 0 and not draft.tokens:
             run.counters["steps_without_draft"] += 1  # no drafter reachable, or prompt lookup found nothing
         event = StepEvent(expected_step, committed, text, state.finish_reason)
@@ -301,6 +314,8 @@ class Coordinator:
                 "num_draft_tokens": run.spec.num_draft_tokens,
                 "adaptive_k": self.k_policy is not None and state.params.greedy,
                 "k_steps": {str(n): c for n, c in sorted(run.k_used.items())},  # K drafted -> steps
+                # accepted length -> [steps verified while pre-speculation ran, of those a branch matched]
+                "prespec_by_accepted": {str(n): c for n, c in sorted(run.prespec_by_accepted.items())},
                 "drafter": self.cfg.drafter.draft, "seed": state.params.seed,
                 "queue_wait_s": round(run.queue_wait_s, 4)}
         self._persist(run, state, expected_step, committed, event)
@@ -316,31 +331,31 @@ class Coordinator:
         return event
 
     # -- drafting ----------------------------------------------------------------------------------------
-    async def _draft(self, run: _Run, state: RequestState, want: int) -> tuple[Draft, Optional[int]]:
-        """`want` drafts for the request's next step -> (the draft, the drafter's guess of the bonus token or
-        None). The hybrid rule (`pipeline.drafters.lookup_first`): prompt lookup first, the model elsewhere."""
+    async def _draft(self, run: _Run, state: RequestState, want: int) -> tuple[Draft, Optional[Draft]]:
+        """`want` drafts for the request's next step -> (the draft, the drafter's whole answer: maybe one token more,
+        its guess of the bonus token, and the distributions pre-speculation ranks; None for prompt lookup). The
+        hybrid rule (`pipeline.drafters.lookup_first`): prompt lookup first, the model elsewhere."""
         if self.lookup is not None:
             row = ProposeRow(state.request_id, state.context_view, want, state.params.greedy)
             found, _ = lookup_first(self.lookup, [row])
             if found[0] or self.drafters is None:
                 if found[0] and self.drafters is not None:
-                    self._drop_predraft(run)  # a pre-draft for this step is not needed
+                    await self._settle_predraft(run, state)  # a pre-draft for this step is not needed
                 return Draft(found[0]), None
         if self.drafters is None:
             return Draft([]), None
         length = state.length
         pre = run.pre
-        if pre is not None and pre.step == state.step and pre.context_len == length:
+        if pre is not None and pre.step == state.step and pre.hit >= 0:
             run.pre = None
             try:
                 got = await pre.task
             except Exception:  # noqa: BLE001 - a lost drafter: fall through to a fresh draft
                 got = None
-            if got is not None and got not in (CACHE_MISS, STALE):
-                run.counters["overlap_hits"] += 1
-                run.drafter_base = pre.base_after
-                return _split_guess(got, want)
-        self._drop_predraft(run)
+            if isinstance(got, list) and got[pre.hit] is not None:
+                run.drafter_base = pre.base  # the pre-speculation call left the mirror at the committed context
+                return got[pre.hit].head(want), got[pre.hit]
+        await self._settle_predraft(run, state)
         extra = 1 if self._overlap_wanted(run, state.step + 1) and state.remaining - want > 2 else 0
         for _ in range(3):
             if run.drafter is None or run.drafter_handle is None:
@@ -375,7 +390,7 @@ class Coordinator:
                 run.drafter_base = -1
                 continue
             run.drafter_base = length
-            return _split_guess(got, want)
+            return got.head(want), got
         return Draft([]), None
 
     def _overlap_wanted(self, run: _Run, step: int) -> bool:
@@ -384,23 +399,47 @@ class Coordinator:
         return self.cfg.coordinator.overlap and (
             run.overlap_hit_rate >= OVERLAP_MIN_HIT_RATE or step % OVERLAP_PROBE_EVERY == 0)
 
-    def _predraft(self, run: _Run, state: RequestState, draft: Draft, guess: int) -> None:
-        """Ask the drafter now for step t+1, assuming every draft token and the guessed bonus are accepted."""
-        if run.drafter_handle is None:
+    def _prespeculate(self, run: _Run, state: RequestState, draft: Draft, answer: Draft) -> None:
+        """Ask the drafter now for step t+1 under the likeliest outcomes of step t (`pipeline.prespec`), all in one
+        call: the branches the drafter's own probabilities rank highest, each drafting as many tokens as a fresh
+        draft of its context would."""
+        if run.drafter_handle is None or run.drafter_base < 0:
             return
-        assumed_remaining = state.remaining - len(draft.tokens) - 1
-        want_next = min(run.spec.num_draft_tokens, assumed_remaining - 1)
-        if want_next <= 0:
+        c = self.cfg.coordinator
+        tails, nums = [], []
+        for branch in rank_branches(answer.tokens, answer.top_ids, answer.top_probs, len(draft.tokens),
+                                    c.prespec_branches, c.prespec_top_m):
+            remaining = state.remaining - branch.num_accepted - 1
+            want_next = min(run.spec.num_draft_tokens, remaining - 1)
+            if want_next <= 0:
+                continue
+            extra = 1 if self._overlap_wanted(run, state.step + 2) and remaining - want_next > 2 else 0
+            tails.append(branch.tail(draft.tokens))
+            nums.append(want_next + extra)
+        if not tails:
             return
-        extra = 1 if self._overlap_wanted(run, state.step + 2) and assumed_remaining - want_next > 2 else 0
-        tail = [*draft.tokens, guess]
-        ctx_len = state.length
-        call = ProposeCall(state.request_id, ctx_len, tail, want_next + extra, state.params, state.step + 1,
-                           run.spec.draft_top_k, run.epoch)
-        ref = run.drafter_handle.propose.remote(call, _trace())
-        task = asyncio.ensure_future(asyncio.wait_for(_await(ref), self.cfg.coordinator.draft_timeout_s))
-        run.pre = _PendingPropose(state.step + 1, ctx_len + len(tail), tail, task, ctx_len + len(tail), ref)
+        self._drop_predraft(run)
+        base = run.drafter_base
+        call = PrespecCall(state.request_id, base, state.context_view[base:], tails, nums, state.params,
+                           state.step + 1, run.spec.draft_top_k, run.epoch)
+        ref = run.drafter_handle.prespec.remote(call, _trace())
+        task = asyncio.ensure_future(asyncio.wait_for(_await(ref), c.draft_timeout_s))
+        run.pre = _PendingPropose(state.step + 1, state.length, tails, task, ref)
         run.counters["overlap_tries"] += 1
+
+    async def _settle_predraft(self, run: _Run, state: RequestState) -> None:
+        """Drop an unused pre-speculation. A greedy request's is cancelled. A sampled request's is awaited instead:
+        whether a cancelled call had run would depend on timing, and the drafter's slot contents with it, which move
+        the draft probabilities in their last bits (float32 sums of differently fed contexts); awaited, the drafter's
+        state is a function of the request's outcomes alone, so a seeded request replays exactly."""
+        pre = run.pre
+        if pre is not None and not state.params.greedy:
+            run.pre = None
+            try:
+                await pre.task
+            except Exception:  # noqa: BLE001 - a lost drafter: the fresh draft finds out
+                pass
+        self._drop_predraft(run)
 
     def _drop_predraft(self, run: _Run) -> None:
         if run.pre is not None:
@@ -600,11 +639,6 @@ def _error_event(err: APIError) -> ErrorEvent:
 
 def _trace() -> Optional[dict]:
     return tracing.inject() or None
-
-
-def _split_guess(got: Draft, want: int) -> tuple[Draft, Optional[int]]:
-    """A drafter worker's answer -> (the first `want` drafts, the extra one: the guess of the bonus token)."""
-    return got.head(want), (got.tokens[want] if len(got.tokens) > want else None)
 
 
 async def _await(ref) -> Any:

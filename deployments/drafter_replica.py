@@ -25,7 +25,7 @@ from deployments import metrics, tracing
 from deployments.admission import SlotQueue
 from deployments.batching import StepBatcher
 from deployments.config import DRAFTER, AppConfig
-from deployments.messages import ProposeCall
+from deployments.messages import PrespecCall, ProposeCall
 from deployments.workers import CACHE_MISS, STALE, EpochFence, ModelHost, kv_slots, spawn_workers, warm_up
 from pipeline.compat import IncompatibleDrafter
 from pipeline.config import is_synthetic
@@ -34,6 +34,7 @@ from pipeline.drafters import ModelDrafter, ProposeRow
 from pipeline.models.graphs import graphs_on_cuda
 from pipeline.models.loader import load_model, load_tokenizer
 from pipeline.models.store import DEMO_TARGET, resolve
+from pipeline.prespec import assign_keys, group_keys
 from pipeline.sampling import SamplingTensors
 from pipeline.step import CACHE_SLACK, Draft, catch_up, propose
 from pipeline.synthetic import SyntheticDrafter
@@ -49,6 +50,7 @@ class DrafterWorker:
         dtype: str = "float32", torch_threads: int = 1, batch_wait_ms: float = 0.0,
         rank: int = 0, world_size: int = 1, kv_cache_gb: Optional[float] = None, kv_cache_fraction: float = 0.9,
         target: Optional[str] = None,  # the target model: a draft model of another tokenizer drafts through text
+        prespec_branches: int = 0,  # KV-cache slots per request for pre-speculated branches (pipeline.prespec)
     ) -> None:
         torch.set_num_threads(torch_threads)
         if is_synthetic(model):  # a measurement aid: a random-weight model of a shape, the recorded continuation
@@ -57,10 +59,12 @@ class DrafterWorker:
         else:
             runner, draft_tok = load_model(str(resolve(model)), device=device, dtype=dtype)
         runner = graphs_on_cuda(runner)  # CUDA: captured decode steps; CPU unchanged
-        num_slots = kv_slots(runner, device, kv_cache_gb, kv_cache_fraction, max_seq_len + CACHE_SLACK,
-                             max_batch_size, "drafter")
-        runner.allocate(num_slots, max_seq_len + CACHE_SLACK)
-        warm_up(runner, num_slots, "drafter")
+        # Each request holds a group of cache slots: its own and one per pre-speculated branch.
+        physical = kv_slots(runner, device, kv_cache_gb, kv_cache_fraction, max_seq_len + CACHE_SLACK,
+                            max_batch_size * (1 + prespec_branches), "drafter")
+        num_slots = max(1, physical // (1 + prespec_branches))  # requests
+        runner.allocate(physical, max_seq_len + CACHE_SLACK)
+        warm_up(runner, physical, "drafter")
         if is_synthetic(model):
             synthetic.model = runner
             self.drafter: ModelDrafter | CrossTokenizerDrafter = synthetic
@@ -74,12 +78,19 @@ class DrafterWorker:
                                               f"draft through text: {problem}")
                 logger.info("drafter %s: another tokenizer than the target's; drafting through text", model)
                 self.drafter = CrossTokenizerDrafter(self.drafter, target_tok, draft_tok)
+        # Branches draft under slot keys of their own (`pipeline.prespec.group_keys`): a draft model's cache slots
+        # (ModelDrafter, the synthetic drafter). A drafter through text keeps per-request state: no branches.
+        self.branches = (min(prespec_branches, physical // num_slots - 1) if isinstance(self.drafter, ModelDrafter)
+                         else 0)
+        if self.branches:
+            self.drafter.greedy_spread = True  # greedy rows ship what ranks their outcomes
         self._ctx: dict[str, list[int]] = {}
         self.epochs = EpochFence()  # calls of a coordinator that lost the request are refused (STALE)
         # Admission is never refused here (max_waiting: every request that holds a target slot may queue).
         self.slots = SlotQueue(num_slots, max_waiting=1 << 30, on_free=self._free_later,
                                on_queue=lambda n: metrics.set_admission_queue(n, DRAFTER.lower()))
         self.batcher = StepBatcher(self._run_batch, num_slots, batch_wait_ms, name="drafter")
+        self.prespec_rows = 0  # branch rows drafted (statistics)
         self.compute_s = 0.0
 
     async def info(self) -> dict[str, Any]:
@@ -91,6 +102,7 @@ class DrafterWorker:
 
     async def stats(self) -> dict[str, Any]:
         return {"batches": self.batcher.batches, "rows": self.batcher.rows, "compute_s": self.compute_s,
+                "prespec_rows": self.prespec_rows, "branch_slots": self.branches,
                 "requests": len(self._ctx), "slots_used": len(self.slots.holders), "waiting": self.slots.waiting,
                 "active_requests": self.batcher.active() + self.slots.waiting}
 
@@ -109,6 +121,13 @@ class DrafterWorker:
                           num_draft=row.num_draft):
             self.slots.touch(row.request_id)
             return await self.batcher.submit(row.request_id, row)
+
+    async def prespec(self, call: PrespecCall, trace: Optional[dict] = None) -> list[Optional[Draft]] | str:
+        """Draft the next step for each of `call.tails` (likely outcomes of the step being verified) in one batched
+        pass -> one Draft per tail (None past this worker's branch slots), CACHE_MISS, or STALE."""
+        with tracing.span("drafter.prespec", parent=trace, request_id=call.request_id, branches=len(call.tails)):
+            self.slots.touch(call.request_id)
+            return await self.batcher.submit(call.request_id, call)
 
     async def release(self, request_ids: Sequence[str], epoch: int = 0) -> None:
         """Free the requests' slots and state. A release by an older owner than the newest one served (`epoch`
@@ -131,13 +150,18 @@ class DrafterWorker:
         for rid in request_ids:
             self._ctx.pop(rid, None)
             self.epochs.forget(rid)
-            self.drafter.release(rid)
+            for key in group_keys(rid, self.branches):
+                self.drafter.release(key)
 
-    def _run_batch(self, calls: Sequence[ProposeCall]) -> list[Any]:
-        """The engine's propose path (`pipeline.step`) over this pass's rows."""
+    def _run_batch(self, calls: Sequence[ProposeCall | PrespecCall]) -> list[Any]:
+        """The engine's propose path (`pipeline.step`) over this pass's rows: a propose call is one row, a
+        pre-speculation call one row per branch; each row drafts in the slot of its request's group whose cache
+        shares the longest prefix with its context (`pipeline.prespec.assign_keys`)."""
         t0 = time.perf_counter()
         results: list[Any] = [None] * len(calls)
-        live, rows = [], []
+        rows: list[ProposeRow] = []
+        owners: list[tuple[int, int]] = []  # per row: (call index, branch index or -1)
+        params, steps, top_k = [], [], 1
         for b, c in enumerate(calls):
             if not self.epochs.admits(c.request_id, c.epoch):  # its coordinator lost the request
                 results[b] = STALE
@@ -147,19 +171,38 @@ class DrafterWorker:
                 results[b] = CACHE_MISS
                 continue
             ctx = (held[: c.base] if held is not None else []) + list(c.new)
-            self._ctx[c.request_id] = ctx
-            live.append(b)
-            rows.append(ProposeRow(c.request_id, ctx, c.num_draft))
-        if live:
-            lcalls = [calls[b] for b in live]
+            if isinstance(c, PrespecCall):
+                # The mirror holds committed tokens only; a late pre-speculation never shortens a newer mirror.
+                if held is None or len(held) <= len(ctx) or held[: len(ctx)] != ctx:
+                    self._ctx[c.request_id] = ctx
+                wanted = [(ctx + list(tail), n) for tail, n in zip(c.tails, c.num_draft)][: self.branches]
+                results[b] = [None] * len(c.tails)
+            else:
+                self._ctx[c.request_id] = ctx
+                wanted = [(ctx, c.num_draft)]
+            group = group_keys(c.request_id, self.branches)
+            held_by = {k: self.drafter.cached(k) for k in group} if self.branches else {}
+            keys = assign_keys(group, held_by, [w for w, _ in wanted])
+            for j, ((context, n), key) in enumerate(zip(wanted, keys)):
+                rows.append(ProposeRow(key, context, n))
+                owners.append((b, j if isinstance(c, PrespecCall) else -1))
+                params.append(c.params)
+                steps.append(c.step)
+            top_k = max(top_k, c.draft_top_k)
+        if rows:
             device = self.drafter.device  # the draft model's: its sampling runs there
-            sampling = SamplingTensors.from_params([c.params for c in lcalls], device)
-            steps = torch.tensor([c.step for c in lcalls], dtype=torch.int64, device=device)
+            sampling = SamplingTensors.from_params(params, device)
+            step_t = torch.tensor(steps, dtype=torch.int64, device=device)
             with torch.inference_mode():
                 catch_up(self.drafter, rows)
-                block = propose(self.drafter, rows, sampling, steps, max(c.draft_top_k for c in lcalls)).to("cpu")
-            for j, b in enumerate(live):
-                results[b] = Draft.of(block, j, rows[j].num_draft)
+                block = propose(self.drafter, rows, sampling, step_t, top_k).to("cpu")
+            for r, (b, j) in enumerate(owners):
+                draft = Draft.of(block, r, rows[r].num_draft)
+                if j < 0:
+                    results[b] = draft
+                else:
+                    results[b][j] = draft
+                    self.prespec_rows += 1
         self.compute_s += time.perf_counter() - t0
         metrics.record_draft_latency(time.perf_counter() - t0, scope="compute")
         return results
@@ -176,6 +219,7 @@ class DrafterServer(ModelHost):
             model=d.model, max_batch_size=d.max_batch_size, max_seq_len=cfg.target.max_seq_len,
             device=d.device, dtype=d.dtype, torch_threads=d.resources.torch_threads, batch_wait_ms=d.batch_wait_ms,
             kv_cache_gb=d.kv_cache_gb, kv_cache_fraction=d.kv_cache_fraction, target=cfg.target.model or DEMO_TARGET,
+            prespec_branches=cfg.coordinator.prespec_branches if cfg.coordinator.overlap else 0,
         )
         self._info = await self.workers[0].info.remote()
 

@@ -48,6 +48,22 @@ class ProposeCall:
 
 
 @dataclass
+class PrespecCall:
+    """A coordinator asking a drafter worker, while step `step - 1` is verified, for step `step`'s drafts under each
+    likely outcome (`pipeline.prespec`): the context `context[:base] + new` (committed tokens only) plus a tail."""
+
+    request_id: str
+    base: int  # context length the worker already mirrors for this request
+    new: list[int]  # committed context[base:]
+    tails: list[list[int]]  # per branch: the accepted drafts, then the guessed recovered or bonus token
+    num_draft: list[int]  # per branch: tokens wanted (K, plus one: the guess for the branches of the step after)
+    params: SamplingParams  # seed fixed
+    step: int  # the target pass these drafts are for (randomness key)
+    draft_top_k: int
+    epoch: int = 1  # the caller's ownership epoch of the request (`EpochFence`)
+
+
+@dataclass
 class VerifyCall:
     """One request's part of a target pass: what crosses the network is ids and sparse probabilities."""
 

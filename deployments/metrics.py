@@ -62,6 +62,12 @@ DEFS: dict[str, _Def] = {
     "specserve_steps_by_accepted_total": _Def(
         "counter", "Steps (per request row) by how many draft tokens were accepted: the distribution of "
         "accepted tokens per step, as counters (cheaper than a histogram on the hot path).", ("accepted",)),
+    "specserve_prespec_steps_total": _Def(
+        "counter", "Steps verified while the drafter pre-speculated the next one, by accepted draft tokens.",
+        ("accepted",)),
+    "specserve_prespec_hits_total": _Def(
+        "counter", "Of those, steps whose outcome matched a pre-speculated branch (its draft was ready), by accepted "
+        "draft tokens: hit rate = hits / steps.", ("accepted",)),
     "specserve_step_latency_seconds": _Def(
         "histogram", "One speculation step of a batch (draft + verify + accept), at the coordinator.", (),
         LATENCY_BUCKETS),
@@ -329,6 +335,14 @@ def record_step(num_draft: Sequence[int], num_accepted: Sequence[int], step_seco
             _observations.setdefault(("specserve_step_latency_seconds", None), []).append(step_seconds)
     if _flusher is None:
         _start_flusher()
+
+
+def record_prespec(num_accepted: int, hit: bool) -> None:
+    """A step verified while the next one was pre-speculated: its accepted length, and whether a branch matched."""
+    label = str(min(num_accepted, MAX_POSITION_LABEL))
+    _inc("specserve_prespec_steps_total", 1.0, label)
+    if hit:
+        _inc("specserve_prespec_hits_total", 1.0, label)
 
 
 def record_draft_latency(seconds: float, scope: str = "call") -> None:

@@ -22,6 +22,11 @@ requests are greedy with `ignore_eos`:
    request starts once the workers have freed the previous one's slots (at most 1 s; a slot still held then is
    logged with its state and freed by the bench, since the next request would queue for 30 s behind it).
 
+`--prespec-branches B` sets `coordinator.prespec_branches` (pre-speculation: the drafter drafts the next step for the
+step's B likeliest outcomes while the target verifies); the timeline reports its hits by accepted length. The
+synthetic drafter ships point masses (no distribution to rank outcomes by), so it pre-speculates one branch whatever
+B is: every draft accepted, then its guess of the bonus token.
+
 `--in-process-last` runs part 2 first and part 1 afterwards on the same GPU, while `--budget-s` allows: the
 recording is then the HTTP target-only output, and the in-process target-only output is checked against it.
 `--order` names the parts in any order (`separate,in-process,colocated`); the first part that serves target-only
@@ -493,6 +498,14 @@ def http_run(url: str, model: str, prompts: list[list[int]], c: int, args, k: in
     for key in ("coordinator_draft_s", "coordinator_verify_s", "coordinator_step_s", "overlap_tries",
                 "overlap_hits", "queue_wait_s"):
         row[key] = sum(float(r["spec"].get(key, 0.0) or 0.0) for r in res)
+    # pre-speculation: accepted length -> [steps verified while the next was pre-speculated, of those hits]
+    by: dict[str, list[int]] = {}
+    for r in res:
+        for n, (steps, hits) in (r["spec"].get("prespec_by_accepted") or {}).items():
+            by.setdefault(n, [0, 0])
+            by[n][0] += steps
+            by[n][1] += hits
+    row["prespec_by_accepted"] = {n: by[n] for n in sorted(by, key=int)}
     row["coordinator_steps"] = passes
     for role in ("target", "drafter"):
         if role in after:
@@ -546,6 +559,8 @@ def _serve_part(args, folder, rec_path, prompts, streams, placement, outputs, sh
         "speculation": {"num_draft_tokens": args.k},
         "coordinator": {"adaptive_k": False, "overlap": not args.no_overlap},
     }
+    if args.prespec_branches is not None:
+        cfg["coordinator"]["prespec_branches"] = args.prespec_branches
     t0 = time.perf_counter()
     serve.run(build_app(cfg), name="bench", route_prefix="/", logging_config=quiet)
     start_s = time.perf_counter() - t0
@@ -709,7 +724,8 @@ def timeline_table(r: dict) -> str:
     lines = ["", "Per-step timeline through HTTP (ms; a step = one target pass of one request):", "",
              "| placement | path | streams | client step | coordinator step | waiting for the draft | waiting for "
              "the verdict | commit & rest | outside the coordinator | target worker per pass (rows) | bare forward "
-             "(B = streams) | verdict hop | drafter worker per pass (passes a step) | pre-drafts used / tried | "
+             "(B = streams) | verdict hop | drafter worker per pass (passes a step) | pre-speculation hits / steps "
+             "(by accepted length) | "
              "Redis commit p50 / p99 |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     nan = float("nan")
     for placement, part in r["serve"].items():
@@ -732,7 +748,12 @@ def timeline_table(r: dict) -> str:
                 dp = x.get("drafter_passes", 0)
                 drafter = (f"{x.get('drafter_compute_ms_per_pass', nan):.2f} ({dp * c / n if n else nan:.2f})"
                            if dp else "-")
-                pre = f"{x.get('overlap_hits', 0):.0f} / {x.get('overlap_tries', 0):.0f}" if name == "spec" else "-"
+                pre = "-"
+                if name == "spec":
+                    by = x.get("prespec_by_accepted") or {}
+                    seen = sum(c for c, _ in by.values())
+                    pre = (f"{x.get('overlap_hits', 0):.0f} / {seen} ("
+                           + ", ".join(f"{n}: {h}/{c}" for n, (c, h) in by.items()) + ")")
                 lines.append(
                     f"| {placement} | {name} | {c} | {client:.2f} | {step:.2f} | {draft:.2f} | {verify:.2f} | "
                     f"{step - draft - verify:.2f} | {client - step:.2f} | {tb:.2f} ({rows:.1f}) | {bare:.2f} | "
@@ -860,7 +881,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--single-requests", type=int, default=4, help="requests, one after another, at 1 stream")
     p.add_argument("--placements", default="separate,colocated")
-    p.add_argument("--no-overlap", action="store_true", help="coordinator.overlap off (no pre-drafting)")
+    p.add_argument("--no-overlap", action="store_true", help="coordinator.overlap off (no pre-speculation)")
+    p.add_argument("--prespec-branches", type=int, default=None, help="coordinator.prespec_branches: outcomes of a "
+                   "step whose next draft the drafter prepares during verification (default: the config's)")
     p.add_argument("--workdir", default=None, help="where the random target folder goes (default: /dev/shm if it has "
                    "room for it, else /tmp)")
     p.add_argument("--serve-only", action="store_true",
@@ -906,7 +929,8 @@ def main(argv: list[str] | None = None) -> int:
                               "target_shape": args.target_shape, "draft_shape": args.draft_shape,
                               "alpha": args.alpha, "k": args.k, "streams": streams, "prompt_len": args.prompt_len,
                               "max_tokens": args.max_tokens, "single_requests": args.single_requests,
-                              "overlap": not args.no_overlap, "dtype": args.dtype, "margin": args.margin,
+                              "overlap": not args.no_overlap, "prespec_branches": args.prespec_branches,
+                              "dtype": args.dtype, "margin": args.margin,
                               "serve": {}, "argv": sys.argv}
     def save() -> None:
         (out / "serve_gpu_bench.json").write_text(json.dumps(result, indent=1, default=str))

@@ -197,6 +197,9 @@ class ModelDrafter:
         ids = getattr(model.info, "output_token_ids", None)
         self._out_ids = None if ids is None else torch.as_tensor(ids, dtype=torch.int64)
         self.device = torch.device(getattr(model, "device", "cpu"))
+        # Greedy rows ship the model's own distribution (`sparse_draft`'s greedy_spread): set where pre-speculation
+        # ranks outcomes with it (a Serve drafter worker with branches); off, a greedy row ships a point mass.
+        self.greedy_spread = False
 
     def _slot(self, request_id: str, busy: set[str]) -> int:
         """The request's cache slot (most recently used order). When all are taken, the least recently used
@@ -227,6 +230,10 @@ class ModelDrafter:
         self.model.forward(prompt, zero, torch.tensor([slot], dtype=torch.int64), prompt.shape[1] - 1)
         self._fed[request_id] = list(context[:-1])  # propose then feeds only the last token
 
+    def cached(self, key: str) -> Sequence[int]:
+        """The tokens the cache slot of `key` (a request id, or a pre-speculation branch's key) holds."""
+        return self._fed.get(key, ())
+
     def release(self, request_id: str) -> None:
         slot = self._slots.pop(request_id, None)
         self._fed.pop(request_id, None)
@@ -243,6 +250,8 @@ class ModelDrafter:
         top_ids = torch.zeros(B, k, draft_top_k, dtype=torch.int64, device=device)
         top_probs = torch.zeros(B, k, draft_top_k, dtype=torch.float32, device=device)
         u = uniform(sampling.seeds, steps, Stream.DRAFT, k).to(device)  # [B, K]
+        if self.greedy_spread and sampling.any_greedy:  # a greedy row takes its top entry, the argmax (u = 0: index 0)
+            u = torch.where((sampling.temperature == 0).to(device)[:, None], 0.0, u)
         for j in range(k):
             ids, probs = self._sparse(logits[:, 0], sampling, draft_top_k)  # [B, k'], [B, k']
             choice = sample_from_probs(probs, u[:, j])  # [B]
@@ -277,20 +286,25 @@ class ModelDrafter:
             pending.append(list(ctx[keep:]))
             starts.append(keep)
             self._fed[r.request_id] = ctx  # a list of its own (`_as_list`)
+        # One forward, right-padded; unless a long catch-up (a fresh slot) sits beside a row far into its context,
+        # whose padding would run past its cache: then a forward per row.
         width = max(len(p) for p in pending)
-        tokens = torch.zeros(B, width, dtype=torch.int64)
-        for b, p in enumerate(pending):
-            tokens[b, : len(p)] = torch.tensor(p, dtype=torch.int64)
-        last = torch.tensor([len(p) - 1 for p in pending], dtype=torch.int64, device=device)
-        logits = self.model.forward(tokens.to(device), torch.tensor(starts, dtype=torch.int64), slots)
-        logits = logits[torch.arange(B, device=device), last][:, None, :]  # [B, 1, V']
+        groups = [list(range(B))] if max(starts) + width <= self.model.max_len else [[b] for b in range(B)]
+        parts = []
+        for group in groups:
+            tokens = _padded([pending[b] for b in group], max(len(pending[b]) for b in group))
+            last = torch.tensor([len(pending[b]) - 1 for b in group], dtype=torch.int64, device=device)
+            out = self.model.forward(tokens.to(device), torch.tensor([starts[b] for b in group], dtype=torch.int64),
+                                     slots[group])
+            parts.append(out[torch.arange(len(group), device=device), last])  # [G, V']
+        logits = (parts[0] if len(parts) == 1 else torch.cat(parts))[:, None, :]  # [B, 1, V']
         positions = torch.tensor([len(r.context) for r in rows], dtype=torch.int64)
         return logits, slots, positions
 
     def _sparse(
         self, logits: torch.Tensor, sampling: SamplingTensors, top_k: int
     ) -> tuple[torch.Tensor, torch.Tensor]:  # ids [B, k'] (real token ids), probs [B, k'] (sum to 1)
-        return sparse_draft(logits, sampling, top_k, self._out_ids)
+        return sparse_draft(logits, sampling, top_k, self._out_ids, self.greedy_spread)
 
 
 def sparse_draft(
@@ -298,10 +312,18 @@ def sparse_draft(
     sampling: SamplingTensors,  # per row
     top_k: int,
     out_ids: torch.Tensor | None = None,  # [V'] int64: logit j is token out_ids[j]; None: logit j is token j
+    greedy_spread: bool = False,  # greedy rows ship the model's own distribution (temperature 1), argmax first
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ids [B, k'] (real token ids), probs [B, k'] (sum to 1)
     """The distribution a model drafter samples from and ships: its logits warped as the target's are, cut to the
-    top-k and renormalised (the verifier gets exactly this distribution, so acceptance stays exact)."""
+    top-k and renormalised (the verifier gets exactly this distribution, so acceptance stays exact).
+
+    With `greedy_spread`, a greedy row ships its unwarped distribution instead of a point mass, its argmax first (the
+    caller takes entry 0): verification treats a greedy row's draft as a point mass whatever it ships
+    (`pipeline.rejection`), and pre-speculation (`pipeline.prespec`) ranks a step's likely outcomes with it."""
     probs = warp(logits[:, None, :], sampling)[:, 0]  # [B, V']
+    if greedy_spread and sampling.any_greedy:
+        greedy = (sampling.temperature == 0).to(probs.device)[:, None]  # [B, 1]
+        probs = torch.where(greedy, torch.softmax(logits.float(), dim=-1), probs)
     k = min(top_k, probs.shape[-1])
     top_probs, top_idx = probs.topk(k, dim=-1)  # [B, k]
     top_probs = top_probs / top_probs.sum(-1, keepdim=True)

@@ -23,6 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--repeats", type=int, default=2, help="engine/HTTP pairs per prompt (one stream)")
     p.add_argument("--no-overlap", action="store_true")
+    p.add_argument("--prespec-branches", type=int, default=None,
+                   help="coordinator.prespec_branches: outcomes pre-speculated a step (default: the config's)")
     p.add_argument("--fixed-k", action="store_true", help="K every step, in the engine and the coordinator alike")
     p.add_argument("--draft", default=None,
                    help="'prompt-lookup', a drafter model folder, or 'lookup+MODEL' (default: the demo target's "

@@ -114,6 +114,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            "drafter": {"draft": draft, "resources": {"torch_threads": args.threads}},
            "speculation": {"num_draft_tokens": args.num_draft_tokens},
            "coordinator": {"overlap": not args.no_overlap, "adaptive_k": not args.fixed_k}}
+    if getattr(args, "prespec_branches", None) is not None:
+        cfg["coordinator"]["prespec_branches"] = args.prespec_branches
     api_key = getattr(args, "api_key", None) or next(iter(envs.SPECSERVE_API_KEY), None)
     cfg["ingress"] = {"api_keys": [api_key] if api_key else []}
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -169,6 +171,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["single"]["ratio"] = result["single"]["http"]["tokens_per_s"] / result["single"]["engine"]["tokens_per_s"]
     result["single"]["mean_accepted_tokens"] = statistics.mean(
         r["spec"].get("mean_accepted_tokens", 0) for r in single["http"])
+    result["single"]["prespec"] = prespec_summary([r["spec"] for r in single["http"]])
+    result["prespec_branches"] = getattr(args, "prespec_branches", None)
 
     # 2. concurrency
     result["concurrency"] = {}
@@ -198,6 +202,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def prespec_summary(specs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pre-speculation over the one-stream HTTP requests: steps verified while the next one was pre-speculated, how
+    many of those a branch matched (overall and by accepted length), and the coordinator's clocks a step."""
+    by: dict[str, list[int]] = {}
+    for spec in specs:
+        for n, (steps, hits) in (spec.get("prespec_by_accepted") or {}).items():
+            by.setdefault(n, [0, 0])
+            by[n][0] += steps
+            by[n][1] += hits
+    steps = sum(int(s.get("target_passes", 0)) for s in specs)
+    tries = sum(int(s.get("overlap_tries", 0)) for s in specs)
+    hits = sum(int(s.get("overlap_hits", 0)) for s in specs)
+    per_step = {key: 1e3 * sum(float(s.get(f"coordinator_{key}", 0.0)) for s in specs) / max(steps, 1)
+                for key in ("draft_s", "verify_s", "step_s")}
+    return {"steps": steps, "tries": tries, "hits": hits,
+            "by_accepted": {n: by[n] for n in sorted(by, key=int)},
+            "draft_wait_ms": per_step["draft_s"], "verdict_ms": per_step["verify_s"], "step_ms": per_step["step_s"]}
+
+
 def markdown(r: dict[str, Any]) -> str:
     s = r["single"]
     lines = [
@@ -221,6 +244,18 @@ def markdown(r: dict[str, Any]) -> str:
         f"of the {s['pairs']} per-prompt pairs (greedy outputs identical: {s['pairs'] - s['greedy_mismatches']}/"
         f"{s['pairs']}; mean tokens per target pass {s['mean_accepted_tokens']:.2f}).",
         "",
+    ]
+    pre = s.get("prespec")
+    if pre:
+        by = ", ".join(f"{n}: {h}/{c}" for n, (c, h) in pre["by_accepted"].items()) or "-"
+        lines += [
+            f"Pre-speculation ({r.get('prespec_branches') or 'default'} branches): ready drafts {pre['hits']} of "
+            f"{pre['steps']} steps ({pre['tries']} pre-speculated); by accepted length (hits/steps) {by}. A step "
+            f"{pre['step_ms']:.1f} ms = draft wait {pre['draft_wait_ms']:.1f} + verdict {pre['verdict_ms']:.1f} + "
+            "commit.",
+            "",
+        ]
+    lines += [
         "| concurrent streams | HTTP tokens/s | TTFT p50 / p90 / p99 (ms) | inter-chunk p50 / p90 / p99 (ms) "
         "| engine generate_batch tokens/s |",
         "|---|---|---|---|---|",
