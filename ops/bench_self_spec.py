@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                     target.forward(chunk, torch.tensor([start]), torch.tensor([0]), chunk.shape[1] - 1)
             prefill_s = time.perf_counter() - t0
             outputs = {}
-            for window in windows:
-                for k in ks:
+            for k in ks:
+                for window in windows:
                     with torch.inference_mode():
                         for cache in target.k_caches + target.v_caches:
                             cache[1, :, :length].copy_(cache[0, :, :length])

@@ -35,19 +35,33 @@ from pathlib import Path
 import torch
 
 T0 = time.perf_counter()
-# The demo target's tokens per target pass as its own drafter (window 512, 4 sinks, K = 4, greedy) at 8k context,
-# measured on the CPU (ops/bench_self_spec.py, docs/benchmarks.md "Self-speculation for long contexts").
-DEMO_TOKENS_PER_PASS = 2.6
+# The demo target's tokens per target pass as its own drafter (window 512, 4 sinks, greedy) at 8k context by K,
+# measured on the CPU (ops/bench_self_spec.py, docs/benchmarks.md "Self-speculation for long contexts"); K = 2, 3:
+# from the K = 4 run's acceptance by position.
+DEMO_TOKENS_PER_PASS = "2:2.4,3:2.8,4:3.1"
 
 
 def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
 
 
-def time_ms(fn, iters: int = 20, warmup: int = 3) -> float:
-    """Median milliseconds of fn() (CUDA events, calls back to back, after warm-up: capture and compilation)."""
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn, device: torch.device, iters: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of fn() (CUDA events, calls back to back, after warm-up: capture and compilation; on
+    the CPU, a smoke test of this script, host wall time)."""
     for _ in range(warmup):
         fn()
+    if device.type != "cuda":
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+        return statistics.median(times)
     torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
     for start, end in events:
@@ -63,17 +77,18 @@ def speedup(tau: float, k: int, decode: float, draft: float, verify: float) -> f
     return tau * decode / (k * draft + verify)
 
 
-def step_times(g, B: int, context: int, k: int, window: int, sinks: int) -> dict:
+def step_times(g, B: int, context: int, ks: list[int], window: int, sinks: int) -> dict:
     dev = g.device
     slots = torch.arange(B, dtype=torch.int64)
     positions = torch.full((B,), context, dtype=torch.int64)
     one = torch.randint(0, g.info.vocab_size, (B, 1), device=dev)
-    many = torch.randint(0, g.info.vocab_size, (B, k + 1), device=dev)
-    return {
-        "decode_ms": time_ms(lambda: g.forward(one, positions, slots)),
-        "verify_ms": time_ms(lambda: g.forward(many, positions, slots)),
-        "draft_ms": time_ms(lambda: g.forward(one, positions, slots, stream=(window, sinks))),
-    }
+    out = {"decode_ms": time_ms(lambda: g.forward(one, positions, slots), dev),
+           "draft_ms": time_ms(lambda: g.forward(one, positions, slots, stream=(window, sinks)), dev),
+           "verify_ms": {}}
+    for k in ks:
+        many = torch.randint(0, g.info.vocab_size, (B, k + 1), device=dev)
+        out["verify_ms"][k] = time_ms(lambda: g.forward(many, positions, slots), dev)
+    return out
 
 
 def engine_run(g, B: int, context: int, k: int, max_tokens: int) -> dict:
@@ -94,9 +109,9 @@ def engine_run(g, B: int, context: int, k: int, max_tokens: int) -> dict:
                 tokens = torch.tensor([p[start:start + n] for p in prompts[r0:r0 + rows]], device=g.device)
                 g.forward(tokens, torch.full((tokens.shape[0],), start), torch.arange(r0, r0 + tokens.shape[0]),
                           n - 1)
-    torch.cuda.synchronize()
+    sync(g.device)
     log(f"prefill {B} x {context}: {time.perf_counter() - t0:.1f} s")
-    cfg = EngineConfig(max_batch_size=B, max_seq_len=context + max_tokens, device="cuda", dtype="bfloat16")
+    cfg = EngineConfig(max_batch_size=B, max_seq_len=context + max_tokens, device=str(g.device), dtype="bfloat16")
     out: dict = {}
     outputs = {}
     for name, drafter in (("target-only", None), ("auto (self-speculation)", PromptLookupDrafter())):
@@ -104,14 +119,16 @@ def engine_run(g, B: int, context: int, k: int, max_tokens: int) -> dict:
         states = [RequestState(request_id=f"r{i}", prompt_ids=p, eos_token_ids=(),
                                params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=0))
                   for i, p in enumerate(prompts)]
-        if engine.drafter is not None:
+        if engine.drafter is not None:  # what the engine's prefill does, after the chunked prefill above
             log(f"drafter chosen: {engine.drafter.name}")
+            assign = getattr(engine.drafter, "assign_slot", None)
             for slot, s in enumerate(states):
-                engine.drafter.assign_slot(s.request_id, slot)
+                if assign is not None:
+                    assign(s.request_id, slot)
                 engine.drafter.admit(s.request_id, s.context)
         spec = SpecParams(k if drafter is not None else 0)
         engine.step(states, list(range(B)), spec)  # first step: graph captures (not timed)
-        torch.cuda.synchronize()
+        sync(g.device)
         first = sum(len(s.output_ids) for s in states)
         t0 = time.perf_counter()
         steps = 0
@@ -119,7 +136,7 @@ def engine_run(g, B: int, context: int, k: int, max_tokens: int) -> dict:
             live = [(s, i) for i, s in enumerate(states) if not s.finished]
             engine.step([s for s, _ in live], [i for _, i in live], spec)
             steps += 1
-        torch.cuda.synchronize()
+        sync(g.device)
         wall = time.perf_counter() - t0
         tokens = sum(len(s.output_ids) for s in states) - first
         summary = [s.stats.summary() for s in states]
@@ -137,40 +154,46 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", default="llama-8b")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--contexts", default="8192,16384", help="contexts to time; one whose cache does not fit is skipped")
-    p.add_argument("-k", type=int, default=4)
+    p.add_argument("--ks", default="2,3,4", help="draft lengths K to time (verify passes of K+1 tokens)")
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--sinks", type=int, default=4)
-    p.add_argument("--tokens-per-pass", type=float, default=DEMO_TOKENS_PER_PASS,
-                   help="tau for the headline speedup (synthetic acceptance; default: the demo target's, measured)")
+    p.add_argument("--tokens-per-pass", default=DEMO_TOKENS_PER_PASS,
+                   help="K:tau,... for the headline speedup (synthetic acceptance; default: the demo target's)")
     p.add_argument("--engine", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--max-tokens", type=int, default=48, help="(engine run) tokens per stream")
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    p.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (tiny shapes), no figures")
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("pipeline").setLevel(logging.INFO)  # the engine's choice of drafter, in one line
 
     from pipeline.models.graphs import GraphCausalLM
     from pipeline.models.kernel_timing import copy_GBps
     from pipeline.models.shapes import SHAPES, kv_bytes_per_token, random_llama, weight_bytes_read
     from pipeline.step import CACHE_SLACK
 
-    a, B, K = SHAPES[args.shape], args.batch, args.k
-    dev = torch.device("cuda")
-    name = torch.cuda.get_device_name(dev)
-    bw = copy_GBps(dev)
-    log(f"{name}: copy bandwidth {bw:.0f} GB/s; shape {args.shape}, B={B}, K={K}, window {args.window}, "
+    a, B = SHAPES[args.shape], args.batch
+    ks = [int(k) for k in args.ks.split(",")]
+    taus = {int(k): float(t) for k, t in (item.split(":") for item in args.tokens_per_pass.split(","))}
+    dev = torch.device(args.device)
+    on_cuda = dev.type == "cuda"
+    name = torch.cuda.get_device_name(dev) if on_cuda else "cpu"
+    bw = copy_GBps(dev) if on_cuda else 10.0  # the CPU smoke test: a nominal bandwidth
+    log(f"{name}: copy bandwidth {bw:.0f} GB/s; shape {args.shape}, B={B}, K={ks}, window {args.window}, "
         f"sinks {args.sinks}")
     runner = random_llama(a, dev, torch.bfloat16)
     g = GraphCausalLM(runner)
     kv_tok, weights = kv_bytes_per_token(a), weight_bytes_read(a)
-    result: dict = {"device": name, "shape": args.shape, "batch": B, "k": K, "window": args.window,
-                    "sinks": args.sinks, "copy_GBps": bw, "contexts": {}}
+    result: dict = {"device": name, "shape": args.shape, "batch": B, "ks": ks, "window": args.window,
+                    "sinks": args.sinks, "copy_GBps": bw, "tokens_per_pass": taus, "contexts": {}}
     rows = []
     for context in (int(c) for c in args.contexts.split(",")):
         max_len = context + args.max_tokens + CACHE_SLACK
         need = (B + 1) * max_len * kv_tok
         g.allocate(1, 1)  # free the previous context's cache (and its graphs) first
-        torch.cuda.empty_cache()
-        free_b = torch.cuda.mem_get_info(dev)[0]
+        if on_cuda:
+            torch.cuda.empty_cache()
+        free_b = torch.cuda.mem_get_info(dev)[0] if on_cuda else 1e12
         if need > free_b - 6e9:  # room for activations, graphs and the engine's logits
             log(f"context {context}: skipped, its cache needs {need / 1e9:.1f} GB and {free_b / 1e9:.1f} GB are free")
             result["contexts"][context] = {"skipped": f"cache {need / 1e9:.1f} GB, free {free_b / 1e9:.1f} GB"}
@@ -179,18 +202,23 @@ def main(argv: list[str] | None = None) -> int:
         with torch.no_grad():
             for cache in g.runner.k_caches + g.runner.v_caches:
                 cache.normal_()
-        t = step_times(g, B, context, K, args.window, args.sinks)
+        t = step_times(g, B, context, ks, args.window, args.sinks)
         floor = {"decode_ms": (weights + B * context * kv_tok) / bw / 1e6,
                  "draft_ms": (weights + B * min(context, args.window + args.sinks) * kv_tok) / bw / 1e6}
-        tau_even = (K * t["draft_ms"] + t["verify_ms"]) / t["decode_ms"]
-        r = {**t, "floor": floor, "break_even_tokens_per_pass": tau_even,
-             "speedup_demo_tau": speedup(args.tokens_per_pass, K, t["decode_ms"], t["draft_ms"], t["verify_ms"]),
-             "speedup_by_alpha": {al: speedup(sum(al**i for i in range(K + 1)), K, t["decode_ms"], t["draft_ms"],
-                                              t["verify_ms"]) for al in (0.5, 0.6, 0.7, 0.8, 0.9)}}
+        r = {**t, "floor": floor, "by_k": {}}
+        for k in ks:
+            verify = t["verify_ms"][k]
+            r["by_k"][k] = {
+                "break_even_tokens_per_pass": (k * t["draft_ms"] + verify) / t["decode_ms"],
+                "speedup_demo_tau": speedup(taus[k], k, t["decode_ms"], t["draft_ms"], verify) if k in taus else None,
+                "speedup_by_alpha": {al: speedup(sum(al**i for i in range(k + 1)), k, t["decode_ms"], t["draft_ms"],
+                                                 verify) for al in (0.6, 0.7, 0.8)}}
         log(f"context {context}: {json.dumps(r)}")
+        best = max((k for k in ks if k in taus), key=lambda k: r["by_k"][k]["speedup_demo_tau"], default=ks[-1])
         if args.engine:
             try:
-                r["engine"] = engine_run(g, B, context, K, args.max_tokens)
+                r["engine"] = engine_run(g, B, context, best, args.max_tokens)
+                r["engine"]["k"] = best
             except torch.cuda.OutOfMemoryError as e:
                 r["engine"] = {"error": f"out of memory: {e}"[:200]}
                 log(r["engine"]["error"])
@@ -198,33 +226,36 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((context, r))
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "gpu_magicdec.json").write_text(json.dumps(result, indent=1))
-    print(table(result, rows, args.tokens_per_pass))
+    print(table(result, rows))
     return 0
 
 
-def table(result: dict, rows: list, tau: float) -> str:
-    K = result["k"]
-    lines = [f"{result['device']}, {result['shape']} bf16 (random weights), {result['batch']} streams, K={K}, "
-             f"self-draft window {result['window']} + {result['sinks']} sinks",
-             "", "| context | decode ms (floor) | verify ms | draft ms (floor) | break-even tokens/pass | "
-             f"speedup at tau={tau} (demo, synthetic) | speedup at alpha 0.6 / 0.7 / 0.8 |",
-             "|---|---|---|---|---|---|---|"]
+def table(result: dict, rows: list) -> str:
+    lines = [f"{result['device']}, {result['shape']} bf16 (random weights), {result['batch']} streams, self-draft "
+             f"window {result['window']} + {result['sinks']} sinks; tau: tokens per target pass (synthetic: the demo "
+             "target's, measured on the CPU)", "",
+             "| context | K | decode ms (floor) | draft ms (floor) | verify ms | break-even tau | tau (demo) | "
+             "speedup at demo tau | speedup at alpha 0.6 / 0.7 / 0.8 |", "|---|---|---|---|---|---|---|---|---|"]
+    taus = result["tokens_per_pass"]
     for context, r in rows:
-        by = r["speedup_by_alpha"]
-        lines.append(f"| {context} | {r['decode_ms']:.2f} ({r['floor']['decode_ms']:.2f}) | {r['verify_ms']:.2f} | "
-                     f"{r['draft_ms']:.2f} ({r['floor']['draft_ms']:.2f}) | {r['break_even_tokens_per_pass']:.2f} | "
-                     f"{r['speedup_demo_tau']:.2f}x | {by[0.6]:.2f}x / {by[0.7]:.2f}x / {by[0.8]:.2f}x |")
+        for k, x in r["by_k"].items():
+            by, sp = x["speedup_by_alpha"], x["speedup_demo_tau"]
+            lines.append(f"| {context} | {k} | {r['decode_ms']:.2f} ({r['floor']['decode_ms']:.2f}) | "
+                         f"{r['draft_ms']:.2f} ({r['floor']['draft_ms']:.2f}) | {r['verify_ms'][k]:.2f} | "
+                         f"{x['break_even_tokens_per_pass']:.2f} | {taus.get(k, '-')} | "
+                         f"{'-' if sp is None else f'{sp:.2f}x'} | {by[0.6]:.2f}x / {by[0.7]:.2f}x / {by[0.8]:.2f}x |")
     engine_rows = [(c, r["engine"]) for c, r in rows if "engine" in r and "error" not in r["engine"]]
     if engine_rows:
-        lines += ["", "| context | engine | tokens/s (all streams) | tokens per target pass | x target-only |",
-                  "|---|---|---|---|---|"]
+        lines += ["", "| context | engine (greedy, random weights) | K | tokens/s (all streams) | "
+                  "tokens per target pass | x target-only |", "|---|---|---|---|---|---|"]
         for context, e in engine_rows:
             base = e["target-only"]["tokens_per_s"]
             for name in ("target-only", "auto (self-speculation)"):
                 x = e[name]
-                lines.append(f"| {context} | {name} | {x['tokens_per_s']:.0f} | {x['tokens_per_pass']:.2f} | "
+                k = 0 if name == "target-only" else e["k"]
+                lines.append(f"| {context} | {name} | {k} | {x['tokens_per_s']:.0f} | {x['tokens_per_pass']:.2f} | "
                              f"{x['tokens_per_s'] / base:.2f}x |")
-            lines.append(f"| {context} | outputs equal | {e['outputs_equal']} | | |")
+            lines.append(f"| {context} | outputs equal: {e['outputs_equal']} | | | | |")
     for context, r in result["contexts"].items():
         if "skipped" in r:
             lines.append(f"\ncontext {context} skipped: {r['skipped']}")
