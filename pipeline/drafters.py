@@ -424,6 +424,8 @@ def build_drafter(spec: str | None, target_info, tokenizer, device: str = "cpu",
     if spec in (PROMPT_LOOKUP, SUFFIX):
         return lookup_part(spec)
     if spec.startswith(HYBRID_PREFIX):
+        if is_self(spec[len(HYBRID_PREFIX):]):
+            raise ValueError(f"drafter {spec!r}: self-speculation has no '{HYBRID_PREFIX}' form; use 'self' alone")
         return HybridDrafter(build_drafter(spec[len(HYBRID_PREFIX):], target_info, tokenizer, device, dtype, target))
     if is_head(spec):
         from pipeline.heads.drafter import HeadDrafter

@@ -133,6 +133,8 @@ def test_drafter_word():
     assert isinstance(drafter, SelfSpecDrafter) and (drafter.window, drafter.sinks) == (32, 1)
     with pytest.raises(ValueError, match="the target itself"):
         build_drafter("self", target.info, None)
+    with pytest.raises(ValueError, match=r"no 'lookup\+' form"):
+        build_drafter("lookup+self", target.info, None, target=target)
 
 
 def test_automatic_choice_needs_a_gpu_a_large_batch_and_long_contexts(caplog, monkeypatch):
