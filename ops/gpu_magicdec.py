@@ -1,7 +1,7 @@
 """Self-speculation at long contexts on a GPU (MagicDec): step times of an 8B-shaped target and the speedup they give.
 
-    python -m ops.gpu_magicdec --out $OUT                              # 32 streams, 8k context (H100: ~3 minutes)
-    python -m ops.gpu_magicdec --contexts 8192,16384 --out $OUT        # 16k too where memory holds it (H200)
+    python -m ops.gpu_magicdec --out $OUT          # 32 streams at 4k, 8k (and 16k where the cache fits: H200)
+    python -m ops.gpu_magicdec --contexts 8192 --no-engine --out $OUT   # step times only
 
 Per context (the KV cache of B streams of that length, random bf16 values, weights random, `--shape`), on the
 graph runner (`pipeline.models.graphs`, CUDA graphs, the Triton split-KV attention):
@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama-8b")
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--contexts", default="8192,16384", help="contexts to time; one whose cache does not fit is skipped")
+    p.add_argument("--contexts", default="4096,8192,16384",
+                   help="contexts to time; one whose cache does not fit is skipped (16k: an H200)")
     p.add_argument("--ks", default="2,3,4", help="draft lengths K to time (verify passes of K+1 tokens)")
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--sinks", type=int, default=4)
