@@ -145,9 +145,9 @@ def test_automatic_choice_needs_a_gpu_a_large_batch_and_long_contexts(caplog, mo
     with caplog.at_level(logging.INFO, logger="pipeline.self_spec"):
         chosen = auto_self_spec(base, target, cfg)
     assert isinstance(chosen, LongContextDrafter) and chosen.min_context == cfg.self_spec_min_context
-    assert "prompts of >= 4096 tokens draft with self:window=512,sinks=4" in caplog.text
-    assert auto_self_spec(base, target, replace(cfg, max_batch_size=8)) is base
-    assert auto_self_spec(base, target, replace(cfg, max_seq_len=2048)) is base
+    assert "prompts of >= 6144 tokens draft with self:window=512,sinks=4" in caplog.text
+    assert auto_self_spec(base, target, replace(cfg, max_batch_size=16)) is base
+    assert auto_self_spec(base, target, replace(cfg, max_seq_len=4096)) is base
     assert auto_self_spec(base, target, replace(cfg, self_spec_min_context=0)) is base
     assert auto_self_spec(None, target, cfg) is None  # target-only stays target-only
     with pytest.raises(ValueError, match="self_spec_min_context"):
