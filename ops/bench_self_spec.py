@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contexts", default="2048,4096,8000", help="prompt tokens (the demo target has 8,192 positions)")
     p.add_argument("--prompts", type=int, default=2, help="long contexts per length")
+    p.add_argument("--first-prompt", type=int, default=0, help="index of the first long context (another slice)")
     p.add_argument("--windows", default="256,512")
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--ks", default="4,6")
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{os.cpu_count()} cores, torch threads {args.threads}, load {load_avg():.1f}", flush=True)
     failed = False
     for length in contexts:
-        for n in range(args.prompts):
+        for n in range(args.first_prompt, args.first_prompt + args.prompts):
             ids = long_context(tokenizer, prompt_texts(SPEC_BENCH, 40, seed=n + length), length)
             t0 = time.perf_counter()
             with torch.inference_mode():
