@@ -38,6 +38,7 @@ from pipeline.config import (
     SUFFIX,
     draft_model_spec,
     is_head,
+    is_self,
     is_synthetic,
     parse_synthetic,
 )
@@ -152,6 +153,9 @@ class DrafterConfig(_Strict):
         if is_head(v):
             raise ValueError(f"drafter.draft={v!r}: feature heads (medusa:DIR, eagle3:DIR) run in process only "
                              "(specserve generate, bench, SpeculativeEngine); Serve does not place them yet")
+        if is_self(v) or (v.startswith(HYBRID_PREFIX) and is_self(v[len(HYBRID_PREFIX):])):
+            raise ValueError(f"drafter.draft={v!r}: self-speculation drafts with the target's own cache, in process "
+                             "only (specserve generate, bench, SpeculativeEngine); Serve does not place it")
         return v
 
     @property

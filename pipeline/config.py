@@ -22,6 +22,8 @@ SYNTHETIC_PREFIX = "synthetic:"
 # "medusa:DIR", "eagle3:DIR": a feature head reading the target's hidden states (pipeline.heads)
 MEDUSA_PREFIX = "medusa:"
 EAGLE3_PREFIX = "eagle3:"
+# "self" or "self:window=W,sinks=N": the target drafts for itself through a StreamingLLM window (pipeline.self_spec)
+SELF_DRAFT = "self"
 # anything else names a draft model: a folder, a .gguf file or a shipped drafter's name
 
 
@@ -33,10 +35,10 @@ def is_head(spec: str | None) -> bool:
 
 
 def draft_model_spec(spec: str) -> str | None:
-    """The draft model a drafter spec names (for a hybrid, its model part); None for prompt lookup, suffix, none and
-    the feature heads (they run with the target, not as a model of their own). A synthetic drafter's word is its own
-    model spec (it runs where draft models run)."""
-    if spec in (PROMPT_LOOKUP, SUFFIX, NO_DRAFT) or is_head(spec):
+    """The draft model a drafter spec names (for a hybrid, its model part); None for prompt lookup, suffix, none,
+    the feature heads and self-speculation (they run with the target, not as a model of their own). A synthetic
+    drafter's word is its own model spec (it runs where draft models run)."""
+    if spec in (PROMPT_LOOKUP, SUFFIX, NO_DRAFT) or is_head(spec) or is_self(spec):
         return None
     return spec[len(HYBRID_PREFIX):] if spec.startswith(HYBRID_PREFIX) else spec
 
@@ -69,6 +71,44 @@ def parse_synthetic(spec: str) -> SyntheticSpec:
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"bad synthetic drafter word {spec!r}: ALPHA must be in [0, 1], got {alpha}")
     return SyntheticSpec(alpha, parts[1], parts[2])
+
+
+@dataclass(frozen=True)
+class SelfSpec:
+    """The StreamingLLM window of a self-speculation drafter (`self:window=W,sinks=N`, pipeline.self_spec): a draft
+    step's query at position p reads the keys at positions < sinks and in (p - window, p]."""
+
+    window: int = 512  # recent positions a draft step reads (the query's own included)
+    sinks: int = 4  # attention-sink positions at the start of the context, always read
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or self.sinks < 0:
+            raise ValueError(f"self-speculation needs window >= 1 and sinks >= 0, got window={self.window}, "
+                             f"sinks={self.sinks}")
+
+    def word(self) -> str:
+        return f"{SELF_DRAFT}:window={self.window},sinks={self.sinks}"
+
+
+def is_self(spec: str | None) -> bool:
+    return spec is not None and (spec == SELF_DRAFT or spec.startswith(SELF_DRAFT + ":"))
+
+
+def parse_self(spec: str) -> SelfSpec:
+    """`self` (defaults) or `self:window=W,sinks=N` (either key may be left out); ValueError with the form."""
+    form = f"expected '{SELF_DRAFT}' or '{SELF_DRAFT}:window=W,sinks=N' (e.g. '{SELF_DRAFT}:window=512,sinks=4')"
+    if not is_self(spec):
+        raise ValueError(f"not a self-speculation drafter word: {spec!r}; {form}")
+    values: dict[str, int] = {}
+    rest = spec[len(SELF_DRAFT) + 1:]
+    if spec != SELF_DRAFT and not rest:
+        raise ValueError(f"bad drafter word {spec!r}: {form}")
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        if key not in ("window", "sinks") or key in values or not value.strip().isdigit():
+            raise ValueError(f"bad drafter word {spec!r}: {form}")
+        values[key] = int(value)
+    return SelfSpec(**values)
 
 
 class InvalidParam(ValueError):
@@ -194,8 +234,21 @@ class EngineConfig:
     # adaptive K), and requests join only when the batch starts; other batches take the step-by-step path.
     # None: where the step can be captured (both models on the CUDA graph path with its device-side attention).
     device_loop: bool | None = None
+    # Self-speculation for long contexts (pipeline.self_spec): on a CUDA target with at least `self_spec_min_batch`
+    # slots, requests whose prompt has at least `self_spec_min_context` tokens draft with the target itself through
+    # a StreamingLLM window of its cache (the drafter word `self` asks for it everywhere). 0 turns the automatic
+    # choice off. The defaults: an 8B target on an H100 (docs/configuration.md gives the estimate), where 32 streams'
+    # KV cache outweighs the weights enough for the demo target's acceptance to pay from about 6k tokens.
+    self_spec_min_context: int = 6144
+    self_spec_min_batch: int = 32
+    self_spec_window: int = 512  # recent positions a draft step reads
+    self_spec_sinks: int = 4  # attention-sink positions a draft step reads
 
     def __post_init__(self) -> None:
+        if self.self_spec_min_context < 0 or self.self_spec_min_batch < 1:
+            raise ValueError(f"self_spec_min_context must be >= 0 and self_spec_min_batch >= 1, got "
+                             f"{self.self_spec_min_context}, {self.self_spec_min_batch}")
+        SelfSpec(self.self_spec_window, self.self_spec_sinks)  # a ValueError names a bad window
         if self.draft_weights not in ("model", "fp8"):
             raise ValueError(f"draft_weights must be 'model' or 'fp8', got {self.draft_weights!r}")
         if self.draft_weights != "model" and not self.graphs:

@@ -25,7 +25,9 @@ from pipeline.config import (  # noqa: F401 - draft_model_spec: re-exported
     SUFFIX,
     draft_model_spec,
     is_head,
+    is_self,
     is_synthetic,
+    parse_self,
 )
 from pipeline.models.base import CausalLM
 from pipeline.models.loader import load_model
@@ -433,7 +435,8 @@ def build_drafter(spec: str | None, target_info, tokenizer, device: str = "cpu",
     """A drafter from its spec (the drafter vocabulary of pipeline.config): None or "none" (no speculation),
     "prompt-lookup", "suffix" (`pipeline.suffix.SuffixDrafter`), a draft model (folder, .gguf or store name),
     "lookup+MODEL" (`HybridDrafter`), "medusa:DIR" / "eagle3:DIR" (a feature head on `target`'s hidden states,
-    `pipeline.heads.drafter.HeadDrafter`), or "synthetic:ALPHA:SHAPE:RECORDING" (`pipeline.synthetic.SyntheticDrafter`,
+    `pipeline.heads.drafter.HeadDrafter`), "self" / "self:window=W,sinks=N" (the target through a StreamingLLM window,
+    `pipeline.self_spec.SelfSpecDrafter`), or "synthetic:ALPHA:SHAPE:RECORDING" (`pipeline.synthetic.SyntheticDrafter`,
     a measurement aid). A draft model of the target's vocabulary passes the compatibility check
     (`pipeline.compat.check_compatible`); one of another vocabulary drafts through text
     (`pipeline.cross_tokenizer.CrossTokenizerDrafter`, logged) unless `cross_tokenizer_problem` says why it cannot,
@@ -443,6 +446,8 @@ def build_drafter(spec: str | None, target_info, tokenizer, device: str = "cpu",
     if spec in (PROMPT_LOOKUP, SUFFIX):
         return lookup_part(spec)
     if spec.startswith(HYBRID_PREFIX):
+        if is_self(spec[len(HYBRID_PREFIX):]):
+            raise ValueError(f"drafter {spec!r}: self-speculation has no '{HYBRID_PREFIX}' form; use 'self' alone")
         return HybridDrafter(build_drafter(spec[len(HYBRID_PREFIX):], target_info, tokenizer, device, dtype, target))
     if is_head(spec):
         from pipeline.heads.drafter import HeadDrafter
@@ -450,6 +455,13 @@ def build_drafter(spec: str | None, target_info, tokenizer, device: str = "cpu",
         if target is None:
             raise ValueError(f"drafter {spec!r} reads the target's hidden states: build it with the target model")
         return HeadDrafter.from_spec(spec, target)
+    if is_self(spec):
+        from pipeline.self_spec import SelfSpecDrafter  # it imports this module
+
+        if target is None:
+            raise ValueError(f"drafter {spec!r} is the target itself: build it with the target model")
+        window = parse_self(spec)
+        return SelfSpecDrafter(target, window.window, window.sinks)
     if is_synthetic(spec):  # a measurement aid: the recorded continuation at a set acceptance, a real model's time
         from pipeline.synthetic import SyntheticDrafter
 

@@ -39,6 +39,7 @@ from pipeline.models.graphs import GraphConfig, graphs_on_cuda
 from pipeline.models.loader import load_model
 from pipeline.models.store import DEMO_DRAFT, DEMO_TARGET, resolve
 from pipeline.sampling import SamplingTensors
+from pipeline.self_spec import LongContextDrafter, SelfSpecDrafter, auto_self_spec
 from pipeline.sequence import RequestState
 from pipeline.step import (
     CACHE_SLACK,
@@ -114,6 +115,11 @@ class SpeculativeEngine:
             target = _graphs_on_cuda(target)
             if model_drafter is not None:
                 model_drafter.model = _graphs_on_cuda(model_drafter.model, draft_weights)
+        if _head_drafter(drafter) is None:  # long prompts draft with the target itself (the heads keep theirs)
+            drafter = auto_self_spec(drafter, target, self.config)
+        bind = getattr(drafter, "bind_target", None)  # self-speculation drafts through the runner that verifies
+        if bind is not None:
+            bind(target)
         if self.config.tree is not None:
             drafter = _tree_drafter(drafter, target, self.config.tree)
             if isinstance(drafter, TreeDrafter):
@@ -282,10 +288,12 @@ class SpeculativeEngine:
         fixed K, every request admitted at once."""
         drafter = self.drafter
         plain = drafter is None or type(drafter) in (ModelDrafter, SyntheticDrafter)
+        if not plain:
+            return False
         enabled = self.config.device_loop
         if enabled is None:
             enabled = device_resident(self.target) and (drafter is None or device_resident(drafter.model))
-        return (plain and enabled and self.k_policy is None and self.head is None
+        return (enabled and self.k_policy is None and self.head is None
                 and 0 < len(states) <= len(self._free_slots))
 
     def _run_device_loop(self, states: list[RequestState], spec: SpecParams) -> Iterator[StreamEvent]:
@@ -372,6 +380,9 @@ class SpeculativeEngine:
             self.timings.target_s += time.perf_counter() - t0
         if self.drafter is not None:  # the drafter's own one-time work, out of the timed decode steps
             t0 = time.perf_counter()
+            assign = getattr(self.drafter, "assign_slot", None)  # self-speculation reads the target's slot
+            if assign is not None:
+                assign(state.request_id, slot)
             self.drafter.admit(state.request_id, ctx)
             if self.head is not None:
                 self.head.admit(state.request_id, ctx)
@@ -476,11 +487,14 @@ def _model_drafter(drafter: Drafter | None) -> ModelDrafter | None:
     drafter's), if any."""
     if isinstance(drafter, TreeDrafter):
         drafter = drafter.drafter
+    if isinstance(drafter, LongContextDrafter):
+        drafter = drafter.base
     if isinstance(drafter, HybridDrafter):
         drafter = drafter.model
     if isinstance(drafter, CrossTokenizerDrafter):
         drafter = drafter.drafter
-    return drafter if isinstance(drafter, ModelDrafter) else None
+    # a self-speculation drafter's model is the target itself: nothing of its own to allocate or capture
+    return drafter if isinstance(drafter, ModelDrafter) and not isinstance(drafter, SelfSpecDrafter) else None
 
 
 def _graphs_on_cuda(model: CausalLM, weights: str = "model") -> CausalLM:

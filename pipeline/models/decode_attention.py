@@ -3,11 +3,13 @@
 Cache layout per layer: `k_cache`, `v_cache` of shape `[num_slots, Hkv, max_len, D]`. Queries come stacked per
 KV head, `q [B, Hkv, G*T, D]` (G = n_heads / n_kv_heads, query index g*T + t). Row b reads slot `slots[b]`;
 query (g, t) of row b sits at absolute position `pos[b, t]` and sees the keys at positions `<= pos[b, t]`
-(and `> pos[b, t] - window` for sliding-window models) among the first S positions of its slot. Padding rows
+(and `> pos[b, t] - window` for sliding-window models; with `sinks` > 0, the keys at positions < sinks as well:
+StreamingLLM attention) among the first S positions of its slot. Padding rows
 point at a scratch slot with position 0, padding columns at positions past the row's real tokens: both are
 ordinary rows/columns here (every query row sees at least its own position).
 
-Two implementations of one signature, `(q, k_cache, v_cache, slots, pos, S, scale, window=None) -> [B, Hkv, G*T, D]`:
+Two implementations of one signature, `(q, k_cache, v_cache, slots, pos, S, scale, window=None, ..., sinks=0) ->
+[B, Hkv, G*T, D]`:
 
 - `sdpa_slot_attention`: the reference and fallback. Gathers each row's slot (`index_select`, a copy of
   every row's first S keys and values) and runs masked `scaled_dot_product_attention`.
@@ -59,13 +61,14 @@ def resolve_attention(kind: str, device: torch.device) -> str:
 # reference
 
 
-def sdpa_mask(pos: torch.Tensor, S: int, G: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+def sdpa_mask(pos: torch.Tensor, S: int, G: int, window: int | None, dtype: torch.dtype,
+              sinks: int = 0) -> torch.Tensor:
     """Additive mask [B, 1, G*T, S] (0 = attend, dtype's min = hidden) for the stacked query rows g*T + t."""
     B, T = pos.shape
     key_pos = torch.arange(S, device=pos.device)
     allowed = key_pos[None, None, :] <= pos[:, :, None]  # [B, T, S]
     if window is not None:
-        allowed &= key_pos[None, None, :] > pos[:, :, None] - window
+        allowed &= (key_pos[None, None, :] > pos[:, :, None] - window) | (key_pos[None, None, :] < sinks)
     mask = torch.zeros(B, T, S, dtype=dtype, device=pos.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[:, None, None].expand(B, 1, G, T, S).reshape(B, 1, G * T, S)
@@ -81,9 +84,10 @@ def sdpa_slot_attention(
     scale: float,
     window: int | None = None,
     mask: torch.Tensor | None = None,  # sdpa_mask(...), when the caller shares one across layers
+    sinks: int = 0,  # with a window: the first `sinks` positions stay visible too (StreamingLLM)
 ) -> torch.Tensor:  # [B, Hkv, G*T, D]
     if mask is None:
-        mask = sdpa_mask(pos, S, q.shape[2] // pos.shape[1], window, q.dtype)
+        mask = sdpa_mask(pos, S, q.shape[2] // pos.shape[1], window, q.dtype, sinks)
     keys = k_cache[:, :, :S].index_select(0, slots)  # [B, Hkv, S, D]
     values = v_cache[:, :, :S].index_select(0, slots)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
@@ -158,6 +162,7 @@ def triton_slot_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     use_pdl: bool = False,  # launch with programmatic dependent launch (pipeline.models.pdl)
+    sinks: int = 0,  # with a window: the first `sinks` positions stay visible too (StreamingLLM)
 ) -> torch.Tensor:  # [B, Hkv, G*T, D], q's dtype
     from pipeline.models import decode_attention_triton as kern
     from pipeline.models.pdl import launch_kwargs
@@ -191,7 +196,7 @@ def triton_slot_attention(
     launch: dict[str, Any] = {"num_warps": warps, "num_stages": stages, **launch_kwargs(use_pdl)}
     kern.slot_attention_split[(num_splits, B * Hkv, m_blocks)](
         q, k_cache, v_cache, slots, pos, out, part_acc, part_m, part_l,
-        M, T, S, min_chunk, num_splits, scale * math.log2(math.e), window or 0,
+        M, T, S, min_chunk, num_splits, scale * math.log2(math.e), window or 0, sinks if window else 0,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *pos.stride(), *out.stride(),
         HKV=Hkv, HEAD_D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_WINDOW=window is not None,
         SINGLE=single, DOT_PRECISION=_DOT_PRECISION_F32 if q.dtype == torch.float32 else "tf32",
@@ -208,9 +213,9 @@ def triton_slot_attention(
 
 def slot_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
-    S: int, scale: float, window: int | None = None, kind: str = "auto",
+    S: int, scale: float, window: int | None = None, kind: str = "auto", sinks: int = 0,
 ) -> torch.Tensor:  # [B, Hkv, G*T, D]
     """Dispatch on `kind` ('auto': Triton on CUDA when it imports, else the reference)."""
     if resolve_attention(kind, q.device) == "triton":
-        return triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, window)
-    return sdpa_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, window)
+        return triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, window, sinks=sinks)
+    return sdpa_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, window, sinks=sinks)

@@ -15,8 +15,10 @@ max(MIN_CHUNK, cdiv(n, NUM_SPLITS)) keys rounded up to BLOCK_N. Splits past the 
 the combine reads only the chunks in use. So the grid (NUM_SPLITS, sized for S, the cache's capacity) need not
 follow the context: one CUDA graph serves every context length, and a short context still spreads over as many
 programs as its length warrants. With a sliding window the loop starts at the block's smallest position -
-window + 1. A query row whose chunk holds no visible key keeps max = -inf and denominator 0; the combine gives
-such a split weight 0. Every real query row sees at least its own position, so its total is > 0.
+window + 1; with attention sinks as well (StreamingLLM: the first `sinks` positions stay visible), split 0 first
+reads the sink keys below that start. A query row whose chunk holds no visible key keeps max = -inf and
+denominator 0; the combine gives such a split weight 0. Every real query row sees at least its own position, so
+its total is > 0.
 
 With TRITON_INTERPRET=1 in the environment before triton is first imported, the kernels run in Triton's CPU
 interpreter on CPU tensors (the tests); the mode holds for the whole process.
@@ -35,9 +37,39 @@ def _chunk(n_keys, NUM_SPLITS, MIN_CHUNK, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _attend_keys(q, k_base, v_base, start, hi, qpos, m_i, l_i, acc, scale_log2, window, sinks, offs_n0, offs_d,
+                 d_valid, s_kl, s_kd, s_vl, s_vd, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 DOT_IN_F32: tl.constexpr):
+    """One block of keys [start, start + BLOCK_N) below `hi` into the online softmax -> (m_i, l_i, acc)."""
+    offs_n = start + offs_n0
+    n_valid = offs_n < hi
+    kt = tl.load(k_base + offs_n[None, :] * s_kl + offs_d[:, None] * s_kd,
+                 mask=n_valid[None, :] & d_valid[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+    if DOT_IN_F32:
+        kt = kt.to(tl.float32)
+    s = tl.dot(q, kt, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N] float32
+    allowed = (offs_n[None, :] <= qpos[:, None]) & n_valid[None, :]
+    if HAS_WINDOW:  # the window, and the sinks below it (StreamingLLM; sinks = 0 for a model's own window)
+        allowed = allowed & ((offs_n[None, :] > qpos[:, None] - window) | (offs_n[None, :] < sinks))
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: no NaN
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_base + offs_n[:, None] * s_vl + offs_d[None, :] * s_vd,
+                mask=n_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+    p = p.to(v_base.dtype.element_ty)  # the P @ V product in the cache's dtype, as flash kernels do
+    if DOT_IN_F32:
+        p, v = p.to(tl.float32), v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def slot_attention_split(
     Q, K, V, SLOTS, POS, OUT, PART_ACC, PART_M, PART_L,
-    M, T, S, MIN_CHUNK, NUM_SPLITS, scale_log2, window,
+    M, T, S, MIN_CHUNK, NUM_SPLITS, scale_log2, window, sinks,
     s_qb, s_qh, s_qm, s_qd,
     s_kn, s_kh, s_kl, s_kd,
     s_vn, s_vh, s_vl, s_vd,
@@ -86,37 +118,21 @@ def slot_attention_split(
         q = q.to(tl.float32)
     k_base = K + slot * s_kn + h * s_kh
     v_base = V + slot * s_vn + h * s_vh
-    if HAS_WINDOW:
-        first = tl.min(tl.where(m_valid, qpos, 2147483647), axis=0) - window + 1
-        lo = tl.maximum(lo, first)
-
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if HAS_WINDOW:
+        first = tl.min(tl.where(m_valid, qpos, 2147483647), axis=0) - window + 1
+        if split == 0:  # the sink keys below the window, [0, min(sinks, first)): visible to every query row
+            for start in range(0, tl.minimum(sinks, first), BLOCK_N):
+                m_i, l_i, acc = _attend_keys(q, k_base, v_base, start, tl.minimum(sinks, first), qpos, m_i, l_i, acc,
+                                             scale_log2, window, sinks, offs_n0, offs_d, d_valid, s_kl, s_kd, s_vl,
+                                             s_vd, HAS_WINDOW, DOT_PRECISION, DOT_IN_F32)
+        lo = tl.maximum(lo, first)
     for start in range(lo, hi, BLOCK_N):
-        offs_n = start + offs_n0
-        n_valid = offs_n < hi
-        kt = tl.load(k_base + offs_n[None, :] * s_kl + offs_d[:, None] * s_kd,
-                     mask=n_valid[None, :] & d_valid[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
-        if DOT_IN_F32:
-            kt = kt.to(tl.float32)
-        s = tl.dot(q, kt, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N] float32
-        allowed = (offs_n[None, :] <= qpos[:, None]) & n_valid[None, :]
-        if HAS_WINDOW:
-            allowed = allowed & (offs_n[None, :] > qpos[:, None] - window)
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: no NaN
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + offs_n[:, None] * s_vl + offs_d[None, :] * s_vd,
-                    mask=n_valid[:, None] & d_valid[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        p = p.to(V.dtype.element_ty)  # the P @ V product in the cache's dtype, as flash kernels do
-        if DOT_IN_F32:
-            p, v = p.to(tl.float32), v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_keys(q, k_base, v_base, start, hi, qpos, m_i, l_i, acc, scale_log2, window, sinks,
+                                     offs_n0, offs_d, d_valid, s_kl, s_kd, s_vl, s_vd, HAS_WINDOW, DOT_PRECISION,
+                                     DOT_IN_F32)
 
     if SINGLE:
         y = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]

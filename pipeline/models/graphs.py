@@ -371,8 +371,10 @@ class GraphCausalLM:
         positions: torch.Tensor,  # [B] int64 position of tokens[:, 0] (CPU: no sync)
         slots: torch.Tensor,  # [B] int64 distinct slots < num_slots
         logits_from: int = 0,
+        stream: tuple[int, int] | None = None,  # (window, sinks): StreamingLLM attention (pipeline.models.llama)
     ) -> torch.Tensor:  # [B, T - logits_from, V] float32
         assert self._bufs is not None, "call allocate(num_slots, max_len) before forward"
+        assert stream is None or self.args.sliding_window is None, "a streaming window on a sliding-window model"
         B, T = tokens.shape
         assert 0 <= logits_from < T, f"logits_from must be in [0, {T}), got {logits_from}"
         if positions.device.type != "cpu":
@@ -381,17 +383,18 @@ class GraphCausalLM:
         shape = self.shape_for(B, T, max_pos)
         if shape is None:
             self.stats.eager_calls += 1
-            return self.runner.forward(tokens, positions, slots, logits_from)
+            return self.runner.forward(tokens, positions, slots, logits_from, stream=stream)
         Bb, Tb, Sb = shape
         tok_buf, pos_buf, slot_buf = self._bufs
         self._set_inputs(tokens, positions, slots, Bb, Tb)
-        entry = self._graphs.get(shape)
+        key = shape if stream is None else (*shape, *stream)  # a streaming window's graphs are its own
+        entry = self._graphs.get(key)
         if entry is None:
-            entry = self._graphs[shape] = self._capture_or_fall_back(shape)
+            entry = self._graphs[key] = self._capture_or_fall_back(shape, stream)
         elif entry.graph is not None:
             entry.graph.replay()
         else:
-            self._static_forward(tok_buf[:Bb, :Tb], pos_buf[:Bb], slot_buf[:Bb], Sb, entry.logits)
+            self._static_forward(tok_buf[:Bb, :Tb], pos_buf[:Bb], slot_buf[:Bb], Sb, entry.logits, stream)
         self.stats.graph_calls += 1
         self.stats.shapes[shape] = self.stats.shapes.get(shape, 0) + 1
         return self._result(entry.logits[:B, logits_from:T])
@@ -448,6 +451,7 @@ class GraphCausalLM:
             self._inputs[start:].copy_(self._host_inputs[start:], non_blocking=True)
 
     __call__ = forward
+    supports_stream = True  # `forward(..., stream=(window, sinks))`, captured per window
 
     @torch.inference_mode()  # as `forward`: a capture here may reuse a logits buffer a forward made (inference tensor)
     def warmup(self, max_batch: int, max_tokens: int | None = None) -> int:
@@ -482,11 +486,11 @@ class GraphCausalLM:
         return plan_shape(B, T, max_pos, self.max_len, self.config, whole_cache=self.attention == "triton")
 
     # -- capture -------------------------------------------------------------------------------------------
-    def _capture_or_fall_back(self, shape: tuple[int, int, int]) -> _Graph:
+    def _capture_or_fall_back(self, shape: tuple[int, int, int], stream: tuple[int, int] | None = None) -> _Graph:
         """`_capture`; with attention 'auto', a Triton kernel that fails to build or run (in the warm-up, before
         any capture) switches this runner to the SDPA attention, said once, instead of failing the request."""
         try:
-            return self._capture(shape)
+            return self._capture(shape, stream)
         except Exception:
             if self.config.attention != "auto" or self.attention != "triton":
                 raise
@@ -495,9 +499,9 @@ class GraphCausalLM:
             self.attention = "sdpa"
             self.linear_kind = "torch" if self.config.linear == "auto" else self.linear_kind
             self.fused_layer = self.use_pdl = False
-            return self._capture(shape)
+            return self._capture(shape, stream)
 
-    def _capture(self, shape: tuple[int, int, int]) -> _Graph:
+    def _capture(self, shape: tuple[int, int, int], stream: tuple[int, int] | None = None) -> _Graph:
         """Run the shape once (its result is this call's answer) and, on CUDA, capture it for replays."""
         Bb, Tb, Sb = shape
         tok_buf, pos_buf, slot_buf = self._bufs
@@ -505,19 +509,19 @@ class GraphCausalLM:
         if out is None:
             vocab = self.runner.model.output.weight.shape[0]
             out = self._outs[(Bb, Tb)] = torch.empty(Bb, Tb, vocab, device=self.device)
-        args = (tok_buf[:Bb, :Tb], pos_buf[:Bb], slot_buf[:Bb], Sb, out)
+        args = (tok_buf[:Bb, :Tb], pos_buf[:Bb], slot_buf[:Bb], Sb, out, stream)
         if not self.use_graphs:
             self._static_forward(*args)
             return _Graph(None, out)
         t0 = time.perf_counter()
         # Warm up on a side stream (compilation, cuBLAS workspaces), as torch.cuda.graphs recommends. The
         # warm-up writes this call's own K/V, which the replay writes again (same values, same places).
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
             for _ in range(2):
                 self._static_forward(*args)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.current_stream(self.device).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
@@ -535,13 +539,15 @@ class GraphCausalLM:
         slots: torch.Tensor,  # [B]
         S: int,  # keys read per row
         out: torch.Tensor,  # [B, T, V] float32, written
+        stream: tuple[int, int] | None = None,  # (window, sinks): StreamingLLM attention
     ) -> None:
         a = self.args
         B, T = tokens.shape
+        window, sinks = stream or (a.sliding_window, 0)
         if self.fused_layer and B * T <= fl.LAYER_MAX_ROWS and (self.config.fused_layer or self._fp8 or B == 1
                                                                  or self.fused_all_rows):
             self.stats.fused_runs += 1
-            return self._fused_forward(tokens, positions, slots, S, out)
+            return self._fused_forward(tokens, positions, slots, S, out, stream)
         Hkv, D, L = a.n_kv_heads, a.head_dim, self.max_len
         G = a.n_heads // Hkv
         lk = self.linear_kind
@@ -553,7 +559,7 @@ class GraphCausalLM:
             cos = self.runner._cos[pos].unsqueeze(2)  # [B, T, 1, D]
             sin = self.runner._sin[pos].unsqueeze(2)
             rows = cache_rows(slots, pos, Hkv, L)  # [B * T * Hkv], in k/v order
-        mask = None if triton else sdpa_mask(pos, S, G, a.sliding_window, self.dtype)  # [B, 1, G*T, S]
+        mask = None if triton else sdpa_mask(pos, S, G, window, self.dtype, sinks)  # [B, 1, G*T, S]
 
         x = self.runner.model.tok_embeddings(tokens)  # [B, T, C]
         for w, k_cache, v_cache in zip(self._layers, self.runner.k_caches, self.runner.v_caches):
@@ -567,15 +573,15 @@ class GraphCausalLM:
                 k_cache.view(-1, D).index_copy_(0, rows, k)
                 v_cache.view(-1, D).index_copy_(0, rows, v)
             if triton:
-                y = triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, a.sliding_window)
+                y = triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, window, sinks=sinks)
             else:
-                y = sdpa_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, a.sliding_window, mask)
+                y = sdpa_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, window, mask)
             x = self._attn_out_mlp(x, y, w.wo, w.bo, w.ffn_norm, w.w13, w.b13, w.w2, w.b2, a.norm_eps, lk)
         m = self.runner.model
         out.copy_(self._final_logits(x, m.norm.weight, m.output.weight, a.norm_eps, lk))
 
     def _fused_forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, S: int,
-                       out: torch.Tensor) -> None:
+                       out: torch.Tensor, stream: tuple[int, int] | None = None) -> None:
         """`_static_forward` as the fused layer (pipeline.models.fused_linear): seven Triton kernels a layer,
         chained with programmatic dependent launch where available; the residual stream is updated in place.
         Tensor parallel with `_tp_sites` (pipeline.models.tp_fused): the output and down projections push their
@@ -585,6 +591,7 @@ class GraphCausalLM:
         eps, p = a.norm_eps, self.use_pdl
         kw = {"preload": self.config.pdl_preload, "gemv": self.config.gemv}  # every fused linear's launch options
         tp = self._tp_sites
+        window, sinks = stream or (a.sliding_window, 0)
         pos = positions[:, None] + self._arange[:T]  # [B, T]
         scale = 1.0 / math.sqrt(a.head_dim)
         x = r.model.tok_embeddings(tokens).view(B * T, -1)  # [B*T, C], a fresh tensor: updated in place
@@ -599,7 +606,7 @@ class GraphCausalLM:
             qkv = fl.fused_linear(x, wqkv, w.bqkv, norm_w=w.attn_norm, eps=eps, use_pdl=p, w_scale=s_qkv, **kw)
             q = triton_rope_write(qkv.view(B, T, -1), r._cos, r._sin, pos, slots, k_cache, v_cache, a.n_heads,
                                   use_pdl=p, q_norm=w.q_norm, k_norm=w.k_norm, eps=eps)
-            y = triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, a.sliding_window, use_pdl=p)
+            y = triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, window, use_pdl=p, sinks=sinks)
             wo, s_o = mat("wo")
             fl.fused_linear_heads(y, T, wo, w.bo, use_pdl=p, w_scale=s_o, **add_to_x(2 * i), **kw)
             if tp is not None:

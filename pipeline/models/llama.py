@@ -11,6 +11,9 @@ Heads sit before positions so that the keys of a batch, `k_cache[slots, :, :kv_l
 A forward call writes K/V of row b's tokens at `(slots[b], :, positions[b] + t)` and lets the query at
 absolute position p see keys at positions <= p of its own slot (a per-row causal mask). Entries beyond
 p are stale leftovers of rejected drafts; they are never attended to and get overwritten later.
+A forward with `stream=(window, sinks)` (StreamingLLM attention: the self-speculation drafter's,
+pipeline.self_spec) lets the query at p see only the keys at positions < sinks and in (p - window, p]: keys keep
+their original positions (RoPE as cached); nothing is moved or evicted.
 """
 
 from __future__ import annotations
@@ -492,8 +495,9 @@ class LlamaCausalLM:
         slots: torch.Tensor,  # [B] int64 distinct cache slots
         logits_from: int = 0,
         tree: TreeMask | None = None,  # the fed tokens are nodes of a token tree (pipeline.models.tree_attention)
+        stream: tuple[int, int] | None = None,  # (window, sinks): StreamingLLM attention (module docstring)
     ) -> torch.Tensor:  # [B, T - logits_from, V] float32
-        return self._forward(tokens, positions, slots, logits_from, (), tree)[0]
+        return self._forward(tokens, positions, slots, logits_from, (), tree, stream)[0]
 
     @torch.inference_mode()
     def forward_features(
@@ -513,7 +517,7 @@ class LlamaCausalLM:
         return logits, torch.cat(feats, dim=-1)
 
     def _forward(self, tokens, positions, slots, logits_from: int, layers: tuple[int, ...],
-                 tree: TreeMask | None = None):
+                 tree: TreeMask | None = None, stream: tuple[int, int] | None = None):
         assert self._max_len > 0, "call allocate(num_slots, max_len) before forward"
         assert tokens.dim() == 2, f"tokens must be [B, T], got {tuple(tokens.shape)}"
         B, T = tokens.shape
@@ -534,6 +538,10 @@ class LlamaCausalLM:
             rope_pos = pos
             key_pos = torch.arange(kv_len, device=self.device)  # [S]
             causal = key_pos[None, None, :] <= pos[:, :, None]  # [B, T, S]
+            if stream is not None:  # the sinks and the last `window` positions (original positions, as cached)
+                assert windows == {None}, "a streaming window on a model with its own sliding windows"
+                causal = causal & ((key_pos[None, None, :] > pos[:, :, None] - stream[0])
+                                   | (key_pos[None, None, :] < stream[1]))
             for window in windows:
                 mask = causal if window is None else causal & (key_pos[None, None, :] > pos[:, :, None] - window)
                 masks[window] = mask[:, None]
@@ -563,6 +571,7 @@ class LlamaCausalLM:
     __call__ = forward
 
     supports_tree = True  # `forward(..., tree=)` and `compact` (the CUDA graph path has neither)
+    supports_stream = True  # `forward(..., stream=(window, sinks))` (the graph path too)
 
     @torch.inference_mode()
     def compact(

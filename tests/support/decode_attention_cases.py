@@ -6,9 +6,10 @@ module runs this file as `TRITON_INTERPRET=1 python tests/support/decode_attenti
 
 Each case compares `triton_slot_attention` with the reference (`sdpa_slot_attention` in float32 over the same,
 upcast inputs) on a cache with several slots: rows in arbitrary slot order, ragged positions, padding rows
-pointing at a scratch slot at position 0, T in {1, 5}, G in {1, 3, 4}, window on/off, S not a multiple of the
-chunk, forced split counts. The 'graph-*' cases run a tiny model's static path with attention='triton' against
-attention='sdpa' and the eager runner.
+pointing at a scratch slot at position 0, T in {1, 5}, G in {1, 3, 4}, window on/off (with attention sinks: a
+(window, sinks) pair), S not a multiple of the chunk, forced split counts. The 'graph-*' cases run a tiny model's
+static path with attention='triton' against attention='sdpa' and the eager runner ('graph-stream': the
+self-speculation drafter's StreamingLLM window, `forward(..., stream=)`).
 """
 
 from __future__ import annotations
@@ -39,8 +40,11 @@ KERNEL_CASES = [
     ("f32-D64-G3-T5-cap-auto", "float32", 64, 3, 5, 2000, None, None, 4, 150),
     ("bf16-D128-G4-T5-cap", "bfloat16", 128, 4, 5, 2048, None, 8, 4, 333),
     ("f32-D128-G4-T5-win-cap", "float32", 128, 4, 5, 2048, 64, 8, 4, 333),
+    ("f32-D64-G4-T5-sinks", "float32", 64, 4, 5, 333, (37, 4), None, 4),
+    ("bf16-D128-G4-T1-sinks-split4", "bfloat16", 128, 4, 1, 2048, (64, 4), 4, 4, 600),
+    ("f32-D64-G3-T5-sinks-wide", "float32", 64, 3, 5, 200, (20, 90), 3, 4),  # sinks reach into some windows
 ]
-GRAPH_CASES = ["graph-gqa", "graph-window"]
+GRAPH_CASES = ["graph-gqa", "graph-window", "graph-stream"]
 # Max error relative to the largest output value. bf16: the interpreter rounds bf16 by truncation (the GPU to
 # nearest), so its error is about twice the reference's own bf16 error (seen: 0.6% of the largest value).
 TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 3e-3}
@@ -49,6 +53,7 @@ TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 3e-3}
 def kernel_case(torch, da, dtype_name: str, D: int, G: int, T: int, S: int, window, num_splits, B: int,
                 longest: int | None = None) -> dict:
     dtype = getattr(torch, dtype_name)
+    window, sinks = window if isinstance(window, tuple) else (window, 0)
     g = torch.Generator().manual_seed(D * 1000 + G * 100 + T * 10 + S)
     num_slots, Hkv, max_len = 6, 2, S + 40  # the scratch slot is the last one
     k_cache = torch.randn(num_slots, Hkv, max_len, D, generator=g).to(dtype)
@@ -59,17 +64,22 @@ def kernel_case(torch, da, dtype_name: str, D: int, G: int, T: int, S: int, wind
     pos = starts[:, None] + torch.arange(T)  # [B, T]
     q = torch.randn(B, G * T, Hkv, D, generator=g).to(dtype).transpose(1, 2)  # non-contiguous [B, Hkv, G*T, D]
     scale = D ** -0.5
-    got = da.triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, window, num_splits=num_splits)
-    want = da.sdpa_slot_attention(q.float(), k_cache.float(), v_cache.float(), slots, pos, S, scale, window)
+    got = da.triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, window, num_splits=num_splits,
+                                   sinks=sinks)
+    want = da.sdpa_slot_attention(q.float(), k_cache.float(), v_cache.float(), slots, pos, S, scale, window,
+                                  sinks=sinks)
     assert got.shape == want.shape and got.dtype == dtype, (got.shape, want.shape, got.dtype)
     err = float((got.float() - want).abs().max() / want.abs().max())
     # The reference itself in the low dtype: its own rounding error, for scale.
-    low = da.sdpa_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, window)
+    low = da.sdpa_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, window, sinks=sinks)
     ref_err = float((low.float() - want).abs().max() / want.abs().max())
     ok = bool(torch.isfinite(got).all())
     if window is not None:  # the window is really exercised: without it the answer is far off
         unwindowed = da.triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, None, num_splits=num_splits)
         ok &= float((unwindowed.float() - want).abs().max() / want.abs().max()) > 10 * TOL[dtype_name]
+    if sinks:  # the sinks are really read: without them the answer is far off
+        sinkless = da.triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, window, num_splits=num_splits)
+        ok &= float((sinkless.float() - want).abs().max() / want.abs().max()) > 10 * TOL[dtype_name]
     return {"err": err, "ref_err": ref_err, "tol": TOL[dtype_name], "ok": ok}
 
 
@@ -87,14 +97,17 @@ def graph_case(torch, name: str) -> dict:
         "eager": random_llama(args, "cpu", torch.float32, seed=5),
     }
     assert models["triton"].attention == "triton" and models["sdpa"].attention == "sdpa"
-    err, argmax_equal = compare_static_paths(torch, models, "triton", ("sdpa", "eager"))
+    err, argmax_equal = compare_static_paths(torch, models, "triton", ("sdpa", "eager"),
+                                             stream=(4, 2) if name == "graph-stream" else None)
     assert models["triton"].stats.graph_calls >= 3
     return {"err": err, "tol": 1e-4, "ok": argmax_equal}
 
 
-def compare_static_paths(torch, models: dict, subject: str, refs: tuple[str, ...]) -> tuple[float, bool]:
+def compare_static_paths(torch, models: dict, subject: str, refs: tuple[str, ...],
+                         stream: tuple[int, int] | None = None) -> tuple[float, bool]:
     """Prefill three slots of every model the same way, then feed the same ragged 3-row calls (T = 1, 3, 5; one
-    padding row in the batch bucket) to all: (largest |subject - ref| logit difference, argmaxes all equal)."""
+    padding row in the batch bucket; `stream`: through that StreamingLLM window) to all: (largest |subject - ref|
+    logit difference, argmaxes all equal)."""
     g = torch.Generator().manual_seed(0)
     lengths = {0: 5, 1: 23, 3: 11}  # slot -> prefilled tokens
     for m in models.values():
@@ -108,7 +121,8 @@ def compare_static_paths(torch, models: dict, subject: str, refs: tuple[str, ...
         slots = torch.tensor([3, 0, 1])  # 3 rows -> bucket 4: one padding row on the scratch slot
         tokens = torch.randint(0, 128, (3, T), generator=g)
         positions = torch.tensor([lengths[int(s)] for s in slots])
-        out = {k: m.forward(tokens, positions, slots) for k, m in models.items()}
+        kw = {} if stream is None else {"stream": stream}
+        out = {k: m.forward(tokens, positions, slots, **kw) for k, m in models.items()}
         for ref in refs:
             err = max(err, float((out[subject] - out[ref]).abs().max()))
             argmax_equal &= bool(torch.equal(out[subject].argmax(-1), out[ref].argmax(-1)))

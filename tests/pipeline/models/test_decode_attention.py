@@ -4,8 +4,8 @@ The SDPA reference against a per-row loop (always), the dispatch and split plann
 split-KV kernel against the reference under Triton's CPU interpreter (skipped without triton): the kernel
 cases run in one child process with TRITON_INTERPRET=1 (tests/support/decode_attention_cases.py says why), ragged
 positions, slots in arbitrary order, a padding row on the scratch slot, T in {1, 5}, G in {1, 3, 4, 8},
-window on/off, S not a multiple of the chunk, float32/bf16/fp16, plus a tiny model's static path with
-attention='triton' against 'sdpa' and the eager runner. The GPU checks are in tests/gpu/test_gpu_graphs.py and
+window on/off (and attention sinks), S not a multiple of the chunk, float32/bf16/fp16, plus a tiny model's static
+path with attention='triton' against 'sdpa' and the eager runner. The GPU checks are in tests/gpu/test_gpu_graphs.py and
 ops/check_decode_attention.py.
 """
 
@@ -26,7 +26,7 @@ from tests.support.interpreter import run_interpreted
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def _loop_reference(q, k_cache, v_cache, slots, pos, S, scale, window):
+def _loop_reference(q, k_cache, v_cache, slots, pos, S, scale, window, sinks=0):
     """Row by row, head by head, query by query: the mask semantics spelled out."""
     B, Hkv, GT, D = q.shape
     T = pos.shape[1]
@@ -36,21 +36,22 @@ def _loop_reference(q, k_cache, v_cache, slots, pos, S, scale, window):
             for m in range(GT):
                 p = int(pos[b, m % T])
                 lo = 0 if window is None else max(0, p - window + 1)
-                keys = k_cache[slots[b], h, lo : p + 1]  # positions lo..p (p < S)
+                kept = sorted(set(range(min(sinks, lo))) | set(range(lo, p + 1)))  # sinks, then lo..p (p < S)
+                keys = k_cache[slots[b], h, kept]
                 w = torch.softmax(keys @ q[b, h, m] * scale, dim=0)
-                out[b, h, m] = w @ v_cache[slots[b], h, lo : p + 1]
+                out[b, h, m] = w @ v_cache[slots[b], h, kept]
     return out
 
 
-@pytest.mark.parametrize("window", [None, 4])
-def test_sdpa_reference_matches_a_per_row_loop(window):
+@pytest.mark.parametrize("window, sinks", [(None, 0), (4, 0), (4, 2), (6, 9)])
+def test_sdpa_reference_matches_a_per_row_loop(window, sinks):
     g = torch.Generator().manual_seed(0)
     k_cache, v_cache = torch.randn(2, 5, 2, 40, 16, generator=g, dtype=torch.float64)
     slots = torch.tensor([3, 0, 4])  # row 2 plays the scratch slot: position 0 only
     pos = torch.tensor([20, 3, 0])[:, None] + torch.arange(3)  # T = 3
     q = torch.randn(3, 2, 2 * 3, 16, generator=g, dtype=torch.float64)  # G = 2
-    got = da.sdpa_slot_attention(q, k_cache, v_cache, slots, pos, 32, 0.25, window)
-    torch.testing.assert_close(got, _loop_reference(q, k_cache, v_cache, slots, pos, 32, 0.25, window))
+    got = da.sdpa_slot_attention(q, k_cache, v_cache, slots, pos, 32, 0.25, window, sinks=sinks)
+    torch.testing.assert_close(got, _loop_reference(q, k_cache, v_cache, slots, pos, 32, 0.25, window, sinks))
 
 
 def test_resolve_attention(monkeypatch):
