@@ -317,6 +317,7 @@ def train_head(cfg: DistillConfig, target: Any, data: SampleSet, token_ids: torc
             on_eval(head, state)
 
     head.train()
+    last_eval = [elapsed()]
     if state["step"] == 0 and eval_sets and not state["history"]:
         evaluate()
     bar = tqdm(total=None if cfg.train_seconds is not None else cfg.steps, initial=state["step"],
@@ -344,8 +345,10 @@ def train_head(cfg: DistillConfig, target: Any, data: SampleSet, token_ids: torc
         if state["step"] % cfg.log_every == 0 and not last:
             row = flush()
             bar.set_postfix({"loss": f"{row['loss']:.3f}", "acc0": f"{row['agree0']:.3f}"}, refresh=False)
-        if state["step"] % cfg.eval_every == 0 or last:
+        timely = cfg.train_seconds is not None and elapsed() - last_eval[0] >= cfg.train_seconds / 8
+        if state["step"] % cfg.eval_every == 0 or last or timely:  # with a time budget: 8 points at least
             evaluate()
+            last_eval[0] = elapsed()
         elif state["step"] % cfg.ckpt_every == 0:
             save()
     bar.close()
