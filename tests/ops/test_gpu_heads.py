@@ -1,0 +1,31 @@
+"""ops/distill/gpu_heads.py: the generated answers travel back and forth as uint16 xz parts, unchanged."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ops.distill import gpu_heads
+from pipeline.distill.generate import SampleSet
+
+
+def test_answers_pack_and_unpack_unchanged(tmp_path, monkeypatch):
+    rng = np.random.default_rng(0)
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    sets = {}
+    for name in ("data/shard_00000.npz", "data/shard_00001.npz", "eval_heldout_greedy.npz"):
+        seqs = [rng.integers(0, 49152, size=int(rng.integers(5, 400))).tolist() for _ in range(30)]
+        s = SampleSet.build(seqs, [3] * 30, ["qa", "math"] * 15, [True, False] * 15)
+        s.save(work / name)
+        sets[name] = s
+    monkeypatch.setattr(gpu_heads, "PART_BYTES", 8192)  # several parts
+    parts = gpu_heads.pack_data(work, tmp_path)
+    assert len(parts) > 1 and all((tmp_path / p).stat().st_size <= 8192 for p in parts)
+    again = tmp_path / "again"
+    assert gpu_heads.unpack_data(tmp_path, again) == 3
+    for name, s in sets.items():
+        got = SampleSet.load(again / name)
+        assert got.ids.dtype == np.int32 and np.array_equal(got.ids, s.ids)
+        assert np.array_equal(got.offsets, s.offsets) and got.names == s.names
+        assert np.array_equal(got.prompt_lens, s.prompt_lens) and np.array_equal(got.sampled, s.sampled)
+    assert gpu_heads.unpack_data(tmp_path / "none", again) == 0
