@@ -27,7 +27,6 @@ import dataclasses
 import gc
 import io
 import json
-import lzma
 import os
 import tarfile
 import threading
@@ -35,19 +34,14 @@ import time
 import traceback
 from pathlib import Path
 
-import numpy as np
-
+from pipeline.distill.archive import pack_data, split_parts, unpack_data
 from specserve.cmd_distill import add_arguments, config_from_args
 
 PART_BYTES = 15 * 2**20  # under the device tool's 16 MiB per returned file
 
 
 def _split(data: bytes, dest: Path, stem: str) -> list[str]:
-    names = []
-    for i in range(0, len(data), PART_BYTES):
-        names.append(f"{stem}.part{i // PART_BYTES:02d}")
-        (dest / names[-1]).write_bytes(data[i : i + PART_BYTES])
-    return names
+    return split_parts(data, dest, stem, PART_BYTES)
 
 
 def pack(folders: dict[str, Path], dest: Path) -> list[str]:
@@ -61,47 +55,6 @@ def pack(folders: dict[str, Path], dest: Path) -> list[str]:
     for old in dest.glob("heads.tar.part*"):
         old.unlink()
     return _split(buf.getvalue(), dest, "heads.tar")
-
-
-def pack_data(work: Path, dest: Path) -> list[str]:
-    """The answers (data/shard_*.npz) and evaluation references (eval_*.npz) of `work`, ids as uint16, one xz tar
-    split into parts (the target's vocabulary must fit 16 bits)."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for f in sorted((work / "data").glob("shard_*.npz")) + sorted(work.glob("eval_*.npz")):
-            z = dict(np.load(f))
-            assert int(z["ids"].max(initial=0)) < 2**16, f"{f}: token ids beyond 16 bits"
-            z["ids"] = z["ids"].astype(np.uint16)
-            one = io.BytesIO()
-            np.savez(one, **z)
-            info = tarfile.TarInfo(str(f.relative_to(work)))
-            info.size = one.tell()
-            one.seek(0)
-            tar.addfile(info, one)
-    return _split(lzma.compress(buf.getvalue(), preset=6), dest, "data.tar.xz")
-
-
-def unpack_data(folder: Path, work: Path) -> int:
-    """The inverse of `pack_data`: folder/data.tar.xz.part* -> work/data/shard_*.npz and work/eval_*.npz (int32
-    ids). Returns the number of files written (0: no parts)."""
-    parts = sorted(folder.glob("data.tar.xz.part*"))
-    if not parts:
-        return 0
-    raw = lzma.decompress(b"".join(p.read_bytes() for p in parts))
-    n = 0
-    with tarfile.open(fileobj=io.BytesIO(raw), mode="r") as tar:
-        for m in tar.getmembers():
-            name = Path(m.name)
-            if name.is_absolute() or ".." in name.parts or not m.isfile():
-                raise ValueError(f"unexpected member {m.name!r} in the data archive")
-            z = dict(np.load(io.BytesIO(tar.extractfile(m).read())))
-            z["ids"] = z["ids"].astype(np.int32)
-            (work / name).parent.mkdir(parents=True, exist_ok=True)
-            tmp = work / (m.name + ".tmp.npz")
-            np.savez(tmp, **z)
-            tmp.replace(work / name)
-            n += 1
-    return n
 
 
 def _link_data(src_work: Path, dst_work: Path) -> None:
@@ -205,7 +158,7 @@ def main() -> None:
         def job() -> None:
             try:
                 t0 = time.perf_counter()
-                packer["parts"] = pack_data(out / "work", dest)
+                packer["parts"] = pack_data(out / "work", dest, PART_BYTES)
                 packer["s"] = time.perf_counter() - t0
             except BaseException:  # noqa: BLE001 - reported in metrics.json
                 packer["error"] = traceback.format_exc()

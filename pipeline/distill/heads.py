@@ -345,8 +345,8 @@ def train_head(cfg: DistillConfig, target: Any, data: SampleSet, token_ids: torc
         if state["step"] % cfg.log_every == 0 and not last:
             row = flush()
             bar.set_postfix({"loss": f"{row['loss']:.3f}", "acc0": f"{row['agree0']:.3f}"}, refresh=False)
-        timely = cfg.train_seconds is not None and elapsed() - last_eval[0] >= cfg.train_seconds / 8
-        if state["step"] % cfg.eval_every == 0 or last or timely:  # with a time budget: 8 points at least
+        timely = cfg.train_seconds is not None and elapsed() - last_eval[0] >= max(cfg.train_seconds / 8, 20.0)
+        if state["step"] % cfg.eval_every == 0 or last or timely:  # with a time budget: a point every 1/8 of it
             evaluate()
             last_eval[0] = elapsed()
         elif state["step"] % cfg.ckpt_every == 0:
