@@ -95,6 +95,10 @@ def main() -> None:
                     help="a folder with an earlier heads call's data.tar.xz.partNN (its $OUT): the main call carries "
                          "them and trains on those answers instead of generating")
     ap.add_argument("--out", default=".carry/clean")
+    ap.add_argument("--stash-env", default="", help="environment of the stash calls, e.g. REHEARSE=0")
+    ap.add_argument("--main-env", default="",
+                    help="environment of the main call, e.g. 'TRAINER=ops.distill.gpu_heads WALL_TOTAL=560'")
+    ap.add_argument("--main-args", default="", help="arguments appended to the main call (the trainer's flags)")
     ap.add_argument("--margin-mib", type=float, default=2.0, help="room left in every call for files added later")
     args = ap.parse_args()
 
@@ -170,6 +174,8 @@ def main() -> None:
     shutil.copy(target / "config.json", out / "call1" / "target_config.json")  # for the rehearsal (stash 1)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
 
+    rel = os.path.relpath(out, ROOT)
+    clean_env = "" if rel == ".carry/clean" else f"CLEAN_DIR={rel} "
     lines = [f"# {n} device calls on one machine, each issued right after the last returns (the machine stays warm",
              "# ~30 s between calls; /tmp survives only while it does). "
              "Rerun this script right before: it checks sizes.", ""]
@@ -178,10 +184,11 @@ def main() -> None:
         total = tree + carried
         assert total <= LIMIT, (i, total)
         if i < n:
-            cmd = f"bash ops/distill/gpu_clean_retrain.sh stash {i}"
+            cmd = f"{clean_env}{args.stash_env} bash ops/distill/gpu_clean_retrain.sh stash {i}".replace("  ", " ")
             timeout = 150 if i == 1 else 60  # call 1 also rehearses (<= 100 s)
         else:
-            cmd = "bash ops/distill/gpu_clean_retrain.sh main"
+            cmd = f"{clean_env}{args.main_env} bash ops/distill/gpu_clean_retrain.sh main {args.main_args}".strip()
+            cmd = cmd.replace("  ", " ")
             timeout = 600
         lines.append(f"# call {i}/{n}: tree {tree / 2**20:.1f} MiB + carried {carried / 2**20:.1f} MiB = "
                      f"{total / 2**20:.1f} MiB (limit 64)")
