@@ -133,7 +133,7 @@ else
 fi
 export SPECSERVE_CACHE=$STASH/cache
 WALL=$(( ${WALL_TOTAL:-555} - $(elapsed) ))
-echo "starting ops.distill.gpu_train at $(elapsed) s, wall budget $WALL s"
+echo "starting ${TRAINER:-ops.distill.gpu_train} at $(elapsed) s, wall budget $WALL s"
 "$PY" -m "${TRAINER:-ops.distill.gpu_train}" --pack-to "$OUT" --target "$TARGET" --out "$STASH/run" \
     --prompts "$STASH/prompts.npz" --eval-prompts "$LAST/spec_bench_dev.npz" \
     --layers 2 --draft-vocab 8192 --max-new-tokens 256 --sample-fraction 0.3 --chunk-prompts 4096 \
@@ -141,6 +141,6 @@ echo "starting ops.distill.gpu_train at $(elapsed) s, wall budget $WALL s"
     --eval-every 250 --seed 0 --wall-seconds "$WALL" --wall-reserve 45 "${EXTRA[@]}" "$@" 2>&1 \
     | tee "$OUT/train.log"
 rc=${PIPESTATUS[0]}
-echo "ops.distill.gpu_train exit $rc; total $(elapsed) s" | tee -a "$OUT/train.log"
+echo "${TRAINER:-ops.distill.gpu_train} exit $rc; total $(elapsed) s" | tee -a "$OUT/train.log"
 ls -la "$OUT"
 exit "$rc"

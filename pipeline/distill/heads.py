@@ -8,7 +8,8 @@ as for a draft model. The target is frozen, so that pass is made once per batch 
 
 Training: AdamW (weight decay on matrices only), linear warmup then a cosine decay over the steps (`steps`) or
 over the wall-clock budget (`train_seconds`: the schedule follows elapsed time, so a run that fills its budget
-ends at the low learning rate whatever its speed), gradient clipping, autocast in `dtype`. The metrics stay on
+ends at the low learning rate whatever its speed; a finished timed run started again trains another budget, with
+its own warmup and cosine, from where it ended), gradient clipping, autocast in `dtype`. The metrics stay on
 the device and are read every `log_every` steps. `work/head_checkpoint.pt` (head, optimizer, step, elapsed time,
 curves) is written every `ckpt_every` steps and at every evaluation, where the head is also exported with
 `metrics.json` and `curves.png`: a run cut short leaves a usable head, and re-running resumes.
@@ -256,13 +257,18 @@ def train_head(cfg: DistillConfig, target: Any, data: SampleSet, token_ids: torc
         return int(orders[epoch][j])
 
     ckpt = work / "head_checkpoint.pt"
-    state: dict[str, Any] = {"step": 0, "elapsed": 0.0, "answer_tokens": 0, "history": [], "log": []}
+    # cycle_*: where this time budget's schedule began (a finished timed run, run again, trains another budget)
+    state: dict[str, Any] = {"step": 0, "elapsed": 0.0, "answer_tokens": 0, "history": [], "log": [], "done": False,
+                             "cycle_step": 0, "cycle_elapsed": 0.0}
     if ckpt.exists():
         saved = torch.load(ckpt, map_location=device, weights_only=False)
         head.load_state_dict(saved["head"])
         opt.load_state_dict(saved["opt"])
         state = saved["state"]
         progress(f"resumed {cfg.method} at step {state['step']} ({state['elapsed']:.0f} s trained)")
+        if state["done"] and cfg.train_seconds is not None:  # warm restart: warmup and cosine over the new budget
+            state.update(done=False, cycle_step=state["step"], cycle_elapsed=state["elapsed"])
+            progress(f"the earlier run had finished: {cfg.train_seconds:.0f} s more, a new schedule")
 
     def save() -> None:
         work.mkdir(parents=True, exist_ok=True)
@@ -277,13 +283,16 @@ def train_head(cfg: DistillConfig, target: Any, data: SampleSet, token_ids: torc
 
     def frac(step: int) -> float:
         if cfg.train_seconds is not None:
-            return elapsed() / cfg.train_seconds
+            return (elapsed() - state["cycle_elapsed"]) / cfg.train_seconds
         return (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
 
+    def budget_spent(step: int) -> bool:
+        if cfg.train_seconds is not None:
+            return elapsed() - state["cycle_elapsed"] >= cfg.train_seconds
+        return step >= cfg.steps
+
     def finished(step: int) -> bool:
-        if stop_at is not None and step >= stop_at:
-            return True
-        return elapsed() >= cfg.train_seconds if cfg.train_seconds is not None else step >= cfg.steps
+        return (stop_at is not None and step >= stop_at) or budget_spent(step)
 
     acc = torch.zeros(2 * depth, device=device)
     n_acc, lr = 0, cfg.lr
@@ -324,7 +333,7 @@ def train_head(cfg: DistillConfig, target: Any, data: SampleSet, token_ids: torc
                desc=f"distill {cfg.method}", dynamic_ncols=True, mininterval=5.0)
     while not finished(state["step"]):
         step = state["step"]
-        lr = lr_at(cfg, step, frac(step))
+        lr = lr_at(cfg, step - state["cycle_step"], frac(step))
         for g in opt.param_groups:
             g["lr"] = lr
         i = batch_index(step)
@@ -353,6 +362,7 @@ def train_head(cfg: DistillConfig, target: Any, data: SampleSet, token_ids: torc
             save()
     bar.close()
     state["elapsed"] = elapsed()
+    state["done"] = budget_spent(state["step"])
     state["cache"] = cache.stats()
     save()
     return head, state

@@ -125,3 +125,14 @@ def test_resumed_training_continues_identically(target, method, tmp_path):
     for k in ck_a:
         torch.testing.assert_close(ck_a[k]["exp_avg"], ck_b[k]["exp_avg"], atol=0, rtol=0)
     assert [r["loss"] for r in s_state["log"]][-1] == [r["loss"] for r in r_state["log"]][-1]
+
+
+def test_a_finished_timed_run_started_again_trains_another_budget(target, tmp_path):
+    folder, model = target
+    cfg = _cfg(folder, "eagle3", train_seconds=1.0)
+    data, rows, quiet = _data(24, seed=1), torch.arange(0, V, 2), dict(progress=lambda msg: None)
+    _, first = train_head(cfg, model, data, rows, {}, tmp_path, torch.device("cpu"), **quiet)
+    assert first["done"] and first["step"] > 0 and first["elapsed"] >= 1.0
+    _, again = train_head(cfg, model, data, rows, {}, tmp_path, torch.device("cpu"), **quiet)
+    assert again["done"] and again["step"] > first["step"] and again["cycle_step"] == first["step"]
+    assert again["elapsed"] >= first["elapsed"] + 1.0
