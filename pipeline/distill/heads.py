@@ -204,6 +204,7 @@ def cache_budget(cfg: DistillConfig, device: torch.device) -> tuple[float, float
     if cfg.cache_gb is not None:
         dev = cfg.cache_gb * 2**30
     elif device.type == "cuda":
+        torch.cuda.empty_cache()  # the generator's KV cache, released but still held by the caching allocator
         free, _ = torch.cuda.mem_get_info(device)
         dev = max(0.0, free - 24 * 2**30)  # the step's activations (logits over the draft vocabulary per depth)
     else:
