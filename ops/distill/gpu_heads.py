@@ -151,7 +151,10 @@ def main() -> None:
         (dest / "metrics.json").write_text(json.dumps({**results, "summary": text.splitlines(), "errors": errors,
                                                        "reused_data_files": reused}, indent=2, default=str) + "\n")
         if results:
-            plot_both(results, dest / "curves.png")
+            try:
+                plot_both(results, dest / "curves.png")
+            except Exception as e:  # noqa: BLE001 - a figure never stops the run
+                print(f"curves.png not written: {e!r}", flush=True)
         print(text, flush=True)
 
     def pack_in_background() -> None:

@@ -430,7 +430,10 @@ def run_heads(cfg: DistillConfig, target: Any, data: SampleSet, token_ids: torch
         metrics = metrics_of(head, state, final)
         save_head(head, out, {"method": cfg.method, "steps": state["step"], "final": final})
         (out / "metrics.json").write_text(json.dumps(metrics, indent=2, default=str) + "\n")
-        plot_curves(metrics, out / "curves.png")
+        try:
+            plot_curves(metrics, out / "curves.png")
+        except Exception as e:  # noqa: BLE001 - a figure never stops the training
+            progress(f"curves.png not written: {e!r}")
         return metrics
 
     def on_eval(head: torch.nn.Module, state: dict) -> None:  # a usable head and its figures at every evaluation
