@@ -28,6 +28,7 @@ import gc
 import io
 import json
 import os
+import signal
 import tarfile
 import threading
 import time
@@ -44,8 +45,16 @@ def _split(data: bytes, dest: Path, stem: str) -> list[str]:
     return split_parts(data, dest, stem, PART_BYTES)
 
 
+_PACKING = threading.Lock()  # the periodic packer and the main thread write the same parts
+
+
 def pack(folders: dict[str, Path], dest: Path) -> list[str]:
     """Tar each head folder's files (not its work/) and split the archive into parts."""
+    with _PACKING:
+        return _pack(folders, dest)
+
+
+def _pack(folders: dict[str, Path], dest: Path) -> list[str]:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         for name, folder in folders.items():
@@ -168,6 +177,18 @@ def main() -> None:
         packer["thread"] = threading.Thread(target=job, daemon=True)
         packer["thread"].start()
 
+    m_out = out.parent / (out.name + "_medusa")
+    stop = threading.Event()
+
+    def keep_packing() -> None:  # the heads exported so far reach $OUT even if this process is killed
+        while not stop.wait(60.0):
+            try:
+                pack({n: f for n, f in (("eagle3", out), ("medusa", m_out)) if (f / "config.json").exists()}, dest)
+            except Exception as e:  # noqa: BLE001 - the next round or the final pack
+                print(f"periodic pack failed: {e!r}", flush=True)
+
+    threading.Thread(target=keep_packing, daemon=True).start()
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(SystemExit("SIGTERM")))
     try:
         results["eagle3"] = distill(cfg)
     except BaseException:
@@ -185,8 +206,8 @@ def main() -> None:
     gc.collect()  # the EAGLE-3 run's feature cache, before Medusa's
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    m_out = out.parent / (out.name + "_medusa")
-    if medusa_need and left() >= args.medusa_margin + 10 and (out / "work" / "data").is_dir():
+    terminated = any("SIGTERM" in e for e in errors)
+    if medusa_need and not terminated and left() >= args.medusa_margin + 10 and (out / "work" / "data").is_dir():
         try:
             _link_data(out / "work", m_out / "work")
             # Medusa's heads write the whole vocabulary: smaller batches keep their logits within memory.
@@ -208,6 +229,7 @@ def main() -> None:
             folders["medusa"] = m_out
     else:
         print(f"medusa skipped: {left():.0f} s left", flush=True)
+    stop.set()
     packed = pack(folders, dest)
     if "thread" in packer:
         packer["thread"].join(timeout=max(5.0, left()) if args.wall_seconds else None)
