@@ -79,6 +79,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-weight", type=float, default=0.1)
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--ckpt-every", type=int, default=250)
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (heads: matrices only)")
+    p.add_argument("--min-lr-ratio", type=float, default=0.1, help="the cosine schedule ends at lr x this")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="gradient norm clip")
+    p.add_argument("--teacher-topk", type=int, default=32,
+                   help="eagle3/medusa: the target's top-k probabilities kept per position (renormalised)")
+    p.add_argument("--cache-gb", type=float, default=None,
+                   help="eagle3/medusa: GiB of cached target features on the training device (default: CUDA's "
+                        "free memory less 24 GiB; 8 on a CPU)")
+    p.add_argument("--host-cache-gb", type=float, default=48.0,
+                   help="eagle3/medusa: GiB more in pinned host memory (CUDA); batches beyond both are recomputed")
+    p.add_argument("--log-every", type=int, default=25, help="eagle3/medusa: steps between reads of the loss")
     p.add_argument("--eval-max-new-tokens", type=int, default=128)
     p.add_argument("--heldout-prompts", type=int, default=256)
     p.add_argument("-k", "--eval-k", type=int, default=4, help="K for the acceptance figures")
@@ -117,6 +128,9 @@ def config_from_args(args: argparse.Namespace):  # -> DistillConfig
         wall_seconds=args.wall_seconds, wall_reserve=args.wall_reserve,
         method=args.method, head_depth=args.head_depth, aux_layers=args.aux_layers or None,
         medusa_heads=args.medusa_heads, medusa_layers=args.medusa_layers, eval_limit=args.eval_limit,
+        weight_decay=args.weight_decay, min_lr_ratio=args.min_lr_ratio, grad_clip=args.grad_clip,
+        teacher_topk=args.teacher_topk, cache_gb=args.cache_gb, host_cache_gb=args.host_cache_gb,
+        log_every=args.log_every,
     )
 
 

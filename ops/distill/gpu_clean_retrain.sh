@@ -13,6 +13,9 @@
 #           Call 1 also rehearses (REHEARSE=0 skips it): a random-weight target of the demo's shape through
 #           the runner backend (static step checked against the eager runner, a throughput probe), which
 #           also fills torch.compile's cache for the main call.
+# stash-data DIR: copies an earlier heads call's data.tar.xz.part* from DIR (a carried folder) to $STASH/data_in;
+#           main with TRAINER=ops.distill.gpu_heads then trains on those answers instead of generating (it looks in
+#           $REUSE_DIR, $STASH/data_in and the main call's folder, in that order).
 # concurrent: reassembles the GGUF as main does, then runs `python -m ops.gpu_bench --part concurrent` for each of
 #           CONC_TOKENS (default "128 512") answer lengths (extra arguments go to ops.gpu_bench).
 # main:     reassembles and checks the GGUF, installs the carried gguf wheel, unpacks the prompts, and runs
@@ -21,7 +24,8 @@
 #           win).
 # Environment: OUT (the device tool sets it), STASH_DIR (/tmp/ss), CLEAN_DIR (.carry/clean), WALL_TOTAL,
 # TRAIN_S (200), GEN_ROWS (512), TARGET (a model folder: skips the GGUF, for dry runs), PY (python3),
-# TRAINER (the module main runs, default ops.distill.gpu_train; ops.distill.gpu_heads trains the feature heads).
+# TRAINER (the module main runs, default ops.distill.gpu_train; ops.distill.gpu_heads trains the feature heads,
+# reusing the answers of an earlier call where the main call carries its data.tar.xz.partNN).
 set -uo pipefail
 START=$(date +%s)
 MODE=${1:?usage: gpu_clean_retrain.sh stash I | main [ops.distill.gpu_train flags...]}
@@ -57,6 +61,14 @@ if [ "$MODE" = stash ]; then
             | tee "$OUT/rehearsal.log"
     fi
     echo "stash $I done in $(elapsed) s"
+    exit 0
+fi
+
+if [ "$MODE" = stash-data ]; then  # an earlier heads call's answers, for main to train on (REUSE below)
+    SRC=${1:?stash-data needs the folder holding data.tar.xz.part*}
+    ls "$SRC"/data.tar.xz.part* >/dev/null 2>&1 || { echo "no data.tar.xz.part* in $SRC"; exit 2; }
+    mkdir -p "$STASH/data_in" && cp "$SRC"/data.tar.xz.part* "$STASH/data_in/" || exit 2
+    echo "stashed $(ls "$STASH/data_in" | tr '\n' ' ')in $STASH/data_in ($(du -sh "$STASH/data_in" | cut -f1))"
     exit 0
 fi
 
@@ -106,16 +118,29 @@ if hashlib.sha256(raw).hexdigest() != sys.argv[3]:
 open(sys.argv[2], "wb").write(raw)
 print(f"prompts: {len(raw)} bytes, sha256 ok")
 EOF
-cp "$LAST/manifest.json" "$OUT/manifest.json"
+EXTRA=()
+if [ "${TRAINER:-ops.distill.gpu_train}" = ops.distill.gpu_heads ]; then
+    # $OUT returns at most 8 files: the heads' run keeps the manifest in its metrics, not beside them
+    for d in ${REUSE_DIR:-} "$STASH/data_in" "$LAST"; do  # an earlier call's answers: train on them
+        if ls "$d"/data.tar.xz.part* >/dev/null 2>&1; then
+            EXTRA=(--reuse-data "$d")
+            echo "reusing the answers of an earlier call: $(ls "$d"/data.tar.xz.part* | tr '\n' ' ')"
+            break
+        fi
+    done
+else
+    cp "$LAST/manifest.json" "$OUT/manifest.json"
+fi
 export SPECSERVE_CACHE=$STASH/cache
 WALL=$(( ${WALL_TOTAL:-555} - $(elapsed) ))
-echo "starting ops.distill.gpu_train at $(elapsed) s, wall budget $WALL s"
+echo "starting ${TRAINER:-ops.distill.gpu_train} at $(elapsed) s, wall budget $WALL s"
 "$PY" -m "${TRAINER:-ops.distill.gpu_train}" --pack-to "$OUT" --target "$TARGET" --out "$STASH/run" \
     --prompts "$STASH/prompts.npz" --eval-prompts "$LAST/spec_bench_dev.npz" \
     --layers 2 --draft-vocab 8192 --max-new-tokens 256 --sample-fraction 0.3 --chunk-prompts 4096 \
     --gen-tokens 1000000000 --gen-rows "${GEN_ROWS:-512}" --train-seconds "${TRAIN_S:-200}" --lr 1e-3 \
-    --eval-every 250 --seed 0 --wall-seconds "$WALL" --wall-reserve 45 "$@" 2>&1 | tee "$OUT/train.log"
+    --eval-every 250 --seed 0 --wall-seconds "$WALL" --wall-reserve 45 "${EXTRA[@]}" "$@" 2>&1 \
+    | tee "$OUT/train.log"
 rc=${PIPESTATUS[0]}
-echo "ops.distill.gpu_train exit $rc; total $(elapsed) s" | tee -a "$OUT/train.log"
+echo "${TRAINER:-ops.distill.gpu_train} exit $rc; total $(elapsed) s" | tee -a "$OUT/train.log"
 ls -la "$OUT"
 exit "$rc"

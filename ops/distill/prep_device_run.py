@@ -6,7 +6,8 @@ The device copies the working tree (tracked + untracked-not-ignored files) plus 
 `carry`, at most 64 MiB per call, and nothing else reaches it. The demo target's GGUF (98 MB) does not fit
 next to the tree, so it travels in parts: each *stash* call carries one part and copies it to /tmp there
 (files written there stay while the machine stays warm between calls), and the *main* call carries the last
-part, the prompts, the tokenized evaluation prompts and the `gguf` wheel, reassembles and checks the GGUF
+part, the prompts, the tokenized evaluation prompts, the `gguf` wheel and (with --data) the answers of an earlier
+feature-heads call, reassembles and checks the GGUF
 (sha256) and runs `ops/distill/gpu_clean_retrain.sh main`.
 
 Writes, under --out:
@@ -90,7 +91,14 @@ def main() -> None:
     ap.add_argument("--wheel", default=None,
                     help="the gguf wheel (not on the GPU image; default: .carry/gpu5w/gguf-*.whl)")
     ap.add_argument("--target", default=None, help="tokenizer folder for the evaluation prompts (default: the demo)")
+    ap.add_argument("--data", default=None,
+                    help="a folder with an earlier heads call's data.tar.xz.partNN (its $OUT): the main call carries "
+                         "them and trains on those answers instead of generating")
     ap.add_argument("--out", default=".carry/clean")
+    ap.add_argument("--stash-env", default="", help="environment of the stash calls, e.g. REHEARSE=0")
+    ap.add_argument("--main-env", default="",
+                    help="environment of the main call, e.g. 'TRAINER=ops.distill.gpu_heads WALL_TOTAL=560'")
+    ap.add_argument("--main-args", default="", help="arguments appended to the main call (the trainer's flags)")
     ap.add_argument("--margin-mib", type=float, default=2.0, help="room left in every call for files added later")
     args = ap.parse_args()
 
@@ -119,6 +127,11 @@ def main() -> None:
     subprocess.run([sys.executable, "-m", "ops.distill.tokenize_eval", args.eval, str(target),
                     str(extras / "spec_bench_dev.npz")], cwd=ROOT, check=True)
     shutil.copy(wheel, extras / wheel.name)
+    data_parts = sorted(Path(args.data).glob("data.tar.xz.part*")) if args.data else []
+    if args.data and not data_parts:
+        raise SystemExit(f"--data {args.data}: no data.tar.xz.part* there")
+    for f in data_parts:
+        shutil.copy(f, extras / f.name)
     extra_bytes = sum(f.stat().st_size for f in extras.iterdir()) + 16384  # + manifest
 
     tree = tree_bytes(ROOT)
@@ -130,10 +143,12 @@ def main() -> None:
     n = 1
     while size - (n - 1) * cap > cap - extra_bytes:
         n += 1
+    # The stash calls carry equal parts, just enough that the rest fits beside the main call's extras.
+    stash_part = -(-(size - (cap - extra_bytes)) // (n - 1)) if n > 1 else 0
     parts, offset = [], 0
     with open(gguf, "rb") as f:
         for i in range(1, n + 1):
-            length = cap if i < n else size - offset
+            length = min(cap, stash_part) if i < n else size - offset
             folder = out / f"call{i}"
             folder.mkdir(parents=True, exist_ok=True)
             data = f.read(length)
@@ -150,6 +165,7 @@ def main() -> None:
         "eval": {"file": "spec_bench_dev.npz", "source": Path(args.eval).name,
                  "sha256": sha256(out / f"call{n}" / "spec_bench_dev.npz"), "use": "evaluation only, never training"},
         "wheel": wheel.name,
+        "data": [{"name": f.name, "bytes": f.stat().st_size, "sha256": sha256(f)} for f in data_parts],
         "calls": n,
         "tree_bytes": tree,
     }
@@ -158,6 +174,8 @@ def main() -> None:
     shutil.copy(target / "config.json", out / "call1" / "target_config.json")  # for the rehearsal (stash 1)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
 
+    rel = os.path.relpath(out, ROOT)
+    clean_env = "" if rel == ".carry/clean" else f"CLEAN_DIR={rel} "
     lines = [f"# {n} device calls on one machine, each issued right after the last returns (the machine stays warm",
              "# ~30 s between calls; /tmp survives only while it does). "
              "Rerun this script right before: it checks sizes.", ""]
@@ -166,10 +184,11 @@ def main() -> None:
         total = tree + carried
         assert total <= LIMIT, (i, total)
         if i < n:
-            cmd = f"bash ops/distill/gpu_clean_retrain.sh stash {i}"
+            cmd = f"{clean_env}{args.stash_env} bash ops/distill/gpu_clean_retrain.sh stash {i}".replace("  ", " ")
             timeout = 150 if i == 1 else 60  # call 1 also rehearses (<= 100 s)
         else:
-            cmd = "bash ops/distill/gpu_clean_retrain.sh main"
+            cmd = f"{clean_env}{args.main_env} bash ops/distill/gpu_clean_retrain.sh main {args.main_args}".strip()
+            cmd = cmd.replace("  ", " ")
             timeout = 600
         lines.append(f"# call {i}/{n}: tree {tree / 2**20:.1f} MiB + carried {carried / 2**20:.1f} MiB = "
                      f"{total / 2**20:.1f} MiB (limit 64)")

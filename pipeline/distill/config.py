@@ -72,6 +72,12 @@ class DistillConfig:
     hard_weight: float = 0.0  # extra cross-entropy on the target's argmax token (0: pure KL)
     eval_every: int = 250
     ckpt_every: int = 250
+    # Feature heads (eagle3, medusa): the target's features and top-k teacher of every batch are computed once and
+    # cached (pipeline/distill/head_features.py).
+    teacher_topk: int = 32  # teacher entries kept per position (renormalised over them)
+    cache_gb: float | None = None  # on the training device; None: CUDA's free memory less 24 GiB, or 8 on a CPU
+    host_cache_gb: float = 48.0  # then in pinned host memory (CUDA only); beyond both, recomputed each epoch
+    log_every: int = 25  # steps between host reads of the training metrics (no per-step device sync)
 
     # Evaluation.
     eval_k: int = 4  # draft length K for acceptance figures
@@ -110,6 +116,8 @@ class DistillConfig:
             raise ValueError(f"gen_backend must be runner or hf, got {self.gen_backend!r}")
         if self.gen_rows < 1:
             raise ValueError(f"gen_rows must be >= 1, got {self.gen_rows}")
+        if self.teacher_topk < 1 or self.log_every < 1:
+            raise ValueError(f"teacher_topk and log_every must be >= 1, got {self.teacher_topk}, {self.log_every}")
         if self.batch_tokens < self.max_seq_len:
             raise ValueError(f"batch_tokens ({self.batch_tokens}) must be >= max_seq_len ({self.max_seq_len})")
 

@@ -203,25 +203,33 @@ class Eagle3Head(nn.Module):
         """Every position as the last committed one, drafting `depth` tokens on from its own outputs, as it drafts
         in a pass (EAGLE-3's training-time test): at depth d, index p reads the token after position p + d and the
         head's own depth d-1 output at p, at position p + d, and attends to the committed pairs <= p and to its own
-        earlier depths at p."""
+        earlier depths at p.
+
+        Depth 0 is plain causal attention (SDPA's fused kernels); deeper queries add their own earlier depths at
+        the same index as d extra keys, merged into the causal scores explicitly (`_ttt_attention`): no
+        [T, (d+1) T] mask, and the committed keys are scored once per depth."""
         B, T = tokens.shape
         dev = tokens.device
         c = self.cfg
-        h = self.fc(features)
-        keys, values, outs = [], [], []
-        idx = torch.arange(T, device=dev)
-        causal = idx[None, :] <= idx[:, None]  # [T, T]
-        eye = torch.eye(T, dtype=torch.bool, device=dev)
         G = c.num_attention_heads // c.num_key_value_heads
+        h = self.fc(features)
+        pos = torch.arange(T, device=dev)
+        k0 = v0 = None
+        extra_k: list[torch.Tensor] = []
+        extra_v: list[torch.Tensor] = []
+        outs = []
         for d in range(depth):
             toks = F.pad(tokens[:, d:], (0, d))  # the token after position p + d
-            q, k, v = self._qkv(toks, h, (idx + d)[None].expand(B, T))
-            # K/V repeated per query head: SDPA's memory-efficient kernel takes a mask, not grouped heads
-            keys.append(k.repeat_interleave(G, dim=2).transpose(1, 2))  # [B, H, T, D]
-            values.append(v.repeat_interleave(G, dim=2).transpose(1, 2))
-            mask = torch.cat([causal] + [eye] * d, dim=1)  # [T, (d+1) T]
-            y = F.scaled_dot_product_attention(q.transpose(1, 2), torch.cat(keys, 2), torch.cat(values, 2),
-                                               attn_mask=mask)
+            q, k, v = self._qkv(toks, h, (pos + d)[None].expand(B, T))
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H|Hkv, T, D]
+            if d == 0:
+                k0, v0 = k, v
+                y = F.scaled_dot_product_attention(q, k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1),
+                                                   is_causal=True)
+            else:
+                extra_k.append(k)
+                extra_v.append(v)
+                y = _ttt_attention(q, k0, v0, extra_k, extra_v)
             logits, h = self._out(h, y.transpose(1, 2).reshape(B, T, -1))
             outs.append(logits)
         return outs
@@ -246,6 +254,31 @@ class Eagle3Head(nn.Module):
               "midlayer.post_attention_layernorm.weight": "post_attention_layernorm",
               **{f"midlayer.self_attn.{n}_proj.weight": f"{n}_proj.weight" for n in "qkvo"},
               **{f"midlayer.mlp.{n}_proj.weight": f"{n}_proj.weight" for n in ("gate", "up", "down")}}
+
+
+def _ttt_attention(
+    q: torch.Tensor,  # [B, H, T, D] queries of depth d
+    k0: torch.Tensor,  # [B, Hkv, T, D] committed keys (depth 0)
+    v0: torch.Tensor,  # [B, Hkv, T, D]
+    ks: list[torch.Tensor],  # d x [B, Hkv, T, D]: the same index's keys of depths 1..d
+    vs: list[torch.Tensor],
+) -> torch.Tensor:  # [B, H, T, D]
+    """softmax over [q . k0[j] for j <= p] + [q . ks[e][p] for e < d], applied to [v0[j]] + [vs[e][p]]; query
+    head h reads key head h // G (grouped-query attention)."""
+    B, H, T, D = q.shape
+    Hkv = k0.shape[1]
+    G = H // Hkv
+    qg = q.reshape(B, Hkv, G * T, D) * D**-0.5  # heads h = kv * G + g
+    scores = (qg @ k0.transpose(-1, -2)).view(B, Hkv, G, T, T)  # [B, Hkv, G, T, T]
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~causal, float("-inf"))
+    qg = qg.view(B, Hkv, G, T, D)
+    own = torch.stack([(qg * k[:, :, None]).sum(-1) for k in ks], dim=-1)  # [B, Hkv, G, T, d]
+    probs = torch.cat([scores, own.to(scores.dtype)], dim=-1).float().softmax(-1).to(q.dtype)
+    y = (probs[..., :T].reshape(B, Hkv, G * T, T) @ v0).view(B, Hkv, G, T, D)
+    for e, v in enumerate(vs):
+        y = y + probs[..., T + e, None] * v[:, :, None]
+    return y.reshape(B, H, T, D)
 
 
 def t2d_mask(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [V'] offsets -> [V] bool
