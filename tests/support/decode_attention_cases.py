@@ -7,7 +7,8 @@ module runs this file as `TRITON_INTERPRET=1 python tests/support/decode_attenti
 Each case compares `triton_slot_attention` with the reference (`sdpa_slot_attention` in float32 over the same,
 upcast inputs) on a cache with several slots: rows in arbitrary slot order, ragged positions, padding rows
 pointing at a scratch slot at position 0, T in {1, 5}, G in {1, 3, 4}, window on/off (with attention sinks: a
-(window, sinks) pair), attention logit soft-capping (Gemma 2), S not a multiple of the chunk, forced split counts. The 'graph-*' cases run a tiny model's
+(window, sinks) pair), attention logit soft-capping (Gemma 2), S not a multiple of the chunk, forced split
+counts. The 'graph-*' cases run a tiny model's
 static path with attention='triton' against attention='sdpa' and the eager runner ('graph-stream': the
 self-speculation drafter's StreamingLLM window, `forward(..., stream=)`).
 """

@@ -30,6 +30,7 @@ ROPE_CASES = [
     ("f16-mqa-T2", 1, 2, 8, 1, 128, "float16"),
     ("f32-D24", 2, 2, 4, 2, 24, "float32"),
     ("bf16-qk-norm-T3", 2, 3, 4, 2, 32, "bfloat16", True),  # Qwen3's q/k RMSNorm before RoPE
+    ("bf16-qk-norm-offset-T2", 3, 2, 4, 2, 32, "bfloat16", "offset"),  # Gemma 3's: scaled by (1 + weight)
 ]
 GRAPH_CASES = ["graph-linear-triton"]
 # (id, mode, M, N, K, bias): the fused linear (pipeline.models.fused_linear) against the eager math it replaces
@@ -42,6 +43,10 @@ FUSED_CASES = [
     ("fused-logits-f32-M40-pad64", "logits", 40, 130, 64, False),
     ("fused-fp8-gate-norm-M2", "fp8-gate", 2, 40, 128, True),
     ("fused-fp8-heads-residual-T3", "fp8-heads", 6, 24, 96, False),
+    # Gemma: the (1 + weight) norm and GeGLU's tanh GELU (one row: the CUDA-core product), and `add_norm`
+    ("fused-gemma-gate-M1", "gemma-gate", 1, 24, 128, False),
+    ("fused-gemma-gate-bias-M3-ragged-k", "gemma-gate", 3, 24, 100, True),
+    ("fused-add-norm-M5", "add-norm", 5, 72, 72, False),
 ]
 PRELOAD_CASES = ["fused-preload-bit-identical"]
 GEMV_CASES = ["fused-gemv-one-row", "fused-gemv-fp8-widen-bits"]
@@ -86,7 +91,7 @@ def linear_case(torch, sl, M, N, K, dtype_name, bias, block_n, block_k, splits, 
     return {"err": err, "tol": TOL[dtype_name], "ok": bool(torch.isfinite(got).all())}
 
 
-def rope_case(torch, rw, B, T, H, Hkv, D, dtype_name, qk_norm: bool = False) -> dict:
+def rope_case(torch, rw, B, T, H, Hkv, D, dtype_name, qk_norm: bool | str = False) -> dict:
     from pipeline.models.llama import rope_inv_freq
 
     dtype = getattr(torch, dtype_name)
@@ -105,10 +110,12 @@ def rope_case(torch, rw, B, T, H, Hkv, D, dtype_name, qk_norm: bool = False) -> 
     norms = {}
     if qk_norm:  # the reference norms in float32 from the same weights; scaled rows so the norm matters
         qkv = (qkv.float() * (1 + 3 * torch.rand(B, T, 1, generator=g))).to(dtype)
-        norms = {"q_norm": (1 + 0.5 * torch.randn(D, generator=g)).to(dtype),
-                 "k_norm": (1 + 0.5 * torch.randn(D, generator=g)).to(dtype), "eps": 1e-6}
+        offset = qk_norm == "offset"  # Gemma's (1 + weight) norms: weights near 0
+        norms = {"q_norm": (float(not offset) + 0.5 * torch.randn(D, generator=g)).to(dtype),
+                 "k_norm": (float(not offset) + 0.5 * torch.randn(D, generator=g)).to(dtype), "eps": 1e-6,
+                 "norm_offset": offset}
     want = rw.torch_rope_write(qkv.float(), cos.float(), sin.float(), pos, slots, *up, H,
-                               **{k: v.float() if k != "eps" else v for k, v in norms.items()})
+                               **{k: v.float() if isinstance(v, torch.Tensor) else v for k, v in norms.items()})
     got = rw.triton_rope_write(qkv, cos, sin, pos, slots, *caches["tri"], H, **norms)
     scale = float(want.abs().max())
     err = max(float((got.float() - want).abs().max()) / scale,
@@ -248,6 +255,17 @@ def _fused_run(torch, fl, mode, M, N, K, bias, **kw):
         got = fl.fused_linear(x, w, b, norm_w=nw, eps=1e-5, gate=True, **kw)
         gate, up = F.linear(rms_norm(x, nw, 1e-5), w, b).chunk(2, dim=-1)
         want = F.silu(gate) * up
+    elif mode == "gemma-gate":  # Gemma's norm weights sit near 0: the norm scales by (1 + weight)
+        nw = (0.1 * torch.randn(K, generator=g)).to(bf)
+        got = fl.fused_linear(x, w, b, norm_w=nw, eps=1e-6, gate=True, norm_offset=True, act="gelu_pytorch_tanh",
+                              **kw)
+        gate, up = F.linear(rms_norm(x, nw, 1e-6, True), w, b).chunk(2, dim=-1)
+        want = F.gelu(gate, approximate="tanh") * up
+    elif mode == "add-norm":  # x += rms_norm(y) * (1 + weight)
+        nw = (0.1 * torch.randn(N, generator=g)).to(bf)
+        y, res = torch.randn(M, N, generator=g).to(bf), torch.randn(M, N, generator=g).to(bf)
+        got = fl.add_norm(res.clone(), y, nw, 1e-6)
+        want = res + rms_norm(y, nw, 1e-6, True)
     elif mode == "residual":
         res = torch.randn(M, N, generator=g).to(bf)
         got = res.clone()
