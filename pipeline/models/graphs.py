@@ -1,4 +1,5 @@
-"""Static-shape decode/verify path for the Llama family: CUDA graphs over the preallocated KV cache.
+"""Static-shape decode/verify path for the fast path's families (Llama, Mistral, Qwen2/3, Gemma 2/3): CUDA graphs
+over the preallocated KV cache.
 
 `GraphCausalLM` wraps a `LlamaCausalLM` and implements the same `CausalLM` protocol. A decode (T = 1) or
 verify (T = K+1) call is padded to a bucket `(Bb, Tb, Sb)` (batch rows, fed tokens, keys read from the cache)
@@ -22,6 +23,11 @@ Static shapes, step by step:
 - Attention (`pipeline.models.decode_attention`, `GraphConfig.attention`): on CUDA with triton installed, a
   split-KV Triton kernel that reads each row's slot in place and stops at the row's last visible key
   ('triton'); otherwise the row slots are gathered (`index_select`) and fed to masked SDPA ('sdpa').
+
+Families: what a family changes in the layer (`families.Family`) is read per layer inside the step: each layer's
+sliding window and RoPE table (Gemma's alternating sliding and global layers, Gemma 3's local RoPE base), the
+attention scale and logit soft-cap, (1 + weight) norms, norms after attention and the MLP, GeGLU, scaled embeddings
+and the final soft-cap; all of it is static per layer, so one captured graph holds every layer's variant.
 
 Weights: q/k/v and gate/up projections are fused into one matrix each (the eager runner's parameters become
 views into them, so no memory is duplicated). With `compile=True` (default on CUDA) the per-layer pointwise
