@@ -66,7 +66,10 @@ def rope_cache_write_kernel(
         wk1 = tl.load(KN + j, mask=j_ok, other=0.0).to(tl.float32)
         wk2 = tl.load(KN + HALF + j, mask=j_ok, other=0.0).to(tl.float32)
         if NORM_OFFSET:
-            wq1, wq2, wk1, wk2 = wq1 + 1.0, wq2 + 1.0, wk1 + 1.0, wk2 + 1.0
+            wq1 += 1.0
+            wq2 += 1.0
+            wk1 += 1.0
+            wk2 += 1.0
         x1 = x1 * inv[:, None] * tl.where(is_q[:, None], wq1[None, :], wk1[None, :])
         x2 = x2 * inv[:, None] * tl.where(is_q[:, None], wq2[None, :], wk2[None, :])
     o1 = x1 * c1[None, :] - x2 * s1[None, :]  # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1)
