@@ -3,16 +3,17 @@
     python -m ops.gpu_bench --part steps --out $OUT          # step latencies, floors, HF baselines
     python -m ops.gpu_bench --part steps --attention triton,sdpa --out $OUT   # ours with each attention
     python -m ops.gpu_bench --part demo --gguf F.gguf --out $OUT   # the demo pair end to end
-    python -m ops.gpu_bench --part steps --shapes qwen3-8b,llama-8b,gemma2-2b --batches 1 --hf-batches "" \
-        --profile-batches "" --deadline-s 60 --out $OUT   # other families' shapes, no shape started past 60 s
+    python -m ops.gpu_bench --part steps --shapes llama-8b,qwen3-8b,gemma2-2b,gemma2-9b,gemma3-4b,gemma3-12b \
+        --batches 1 --hf-batches "" --profile-batches "" --deadline-s 60 --out $OUT   # other families' shapes
 
 steps: the bandwidth floor measured on this card (a large device-to-device copy: bytes read + written over
 time); then per model shape (random bf16 weights) and batch B, the latency of one step feeding T = 1 and
 T = K+1 tokens per row at context `--context`: this engine's graph runner (`pipeline.models.graphs`), the same
 model eager, Hugging Face eager (DynamicCache) and Hugging Face compiled (StaticCache +
 torch.compile(mode="reduce-overhead")). floor = (weights read once + KV read + KV written) / copy bandwidth.
-`--shapes` names the shapes (`pipeline.models.shapes.SHAPES`); a shape whose family the graph runner lacks
-(`graph_path_reason`: Gemma 2 and 3) is timed on the eager fast path, its rows marked `eager`.
+`--shapes` names the shapes (`pipeline.models.shapes.SHAPES`: Llama, Qwen3, Gemma 2 and Gemma 3 shapes, all on
+the graph runner); a shape whose family the graph runner lacked (`graph_path_reason`) would be timed on the eager
+fast path, its rows marked `eager`. A sliding-window layer's floor reads at most its window of keys.
 `--attention` lists the graph runner's attention variants to time (`GraphConfig.attention`: triton = the
 split-KV kernel reading the cache in place, sdpa = slot gather + SDPA, auto = the defaults) or runner
 variants (`VARIANTS`: prev = triton attention with cuBLAS linears and the unfused RoPE/cache write, rope = +
@@ -99,7 +100,9 @@ def floor_ms(shape: str, B: int, T: int, context: int, bw_GBps: float, weight_sc
     """(weights read once + KV read + KV written) / bandwidth; weight_scale 0.5: float8 weights (fused-fp8)."""
     a = SHAPES[shape]
     kv = kv_bytes_per_token(a)
-    bytes_ = weight_scale * weight_bytes_read(a) + B * (context + T) * kv + B * T * kv
+    # keys read per row: every position on a global layer, at most the window on a sliding one (Gemma, Mistral)
+    read = sum(min(context + T, a.window(i) or context + T) for i in range(a.n_layers)) / a.n_layers
+    bytes_ = weight_scale * weight_bytes_read(a) + B * read * kv + B * T * kv
     return bytes_ / (bw_GBps * 1e9) * 1e3
 
 

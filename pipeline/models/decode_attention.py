@@ -8,8 +8,10 @@ StreamingLLM attention) among the first S positions of its slot. Padding rows
 point at a scratch slot with position 0, padding columns at positions past the row's real tokens: both are
 ordinary rows/columns here (every query row sees at least its own position).
 
-Two implementations of one signature, `(q, k_cache, v_cache, slots, pos, S, scale, window=None, ..., sinks=0) ->
-[B, Hkv, G*T, D]`:
+With `softcap` (Gemma 2), the logits `scale * q.k` become `softcap * tanh(scale * q.k / softcap)` before the mask.
+
+Two implementations of one signature, `(q, k_cache, v_cache, slots, pos, S, scale, window=None, ..., sinks=0,
+softcap=None) -> [B, Hkv, G*T, D]`:
 
 - `sdpa_slot_attention`: the reference and fallback. Gathers each row's slot (`index_select`, a copy of
   every row's first S keys and values) and runs masked `scaled_dot_product_attention`.
@@ -33,6 +35,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from pipeline.models.llama import soft_cap
 
 ATTENTION_KINDS = ("auto", "triton", "sdpa")
 
@@ -85,12 +89,17 @@ def sdpa_slot_attention(
     window: int | None = None,
     mask: torch.Tensor | None = None,  # sdpa_mask(...), when the caller shares one across layers
     sinks: int = 0,  # with a window: the first `sinks` positions stay visible too (StreamingLLM)
+    softcap: float | None = None,  # logits -> softcap * tanh(logits / softcap) before the mask (Gemma 2)
 ) -> torch.Tensor:  # [B, Hkv, G*T, D]
     if mask is None:
         mask = sdpa_mask(pos, S, q.shape[2] // pos.shape[1], window, q.dtype, sinks)
     keys = k_cache[:, :, :S].index_select(0, slots)  # [B, Hkv, S, D]
     values = v_cache[:, :, :S].index_select(0, slots)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    # SDPA cannot cap its logits: the same math written out (softmax in float32, as the eager runner computes it)
+    scores = soft_cap(torch.matmul(q, keys.transpose(-1, -2)) * scale, softcap) + mask  # [B, Hkv, G*T, S]
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), values)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -163,6 +172,7 @@ def triton_slot_attention(
     num_stages: int | None = None,
     use_pdl: bool = False,  # launch with programmatic dependent launch (pipeline.models.pdl)
     sinks: int = 0,  # with a window: the first `sinks` positions stay visible too (StreamingLLM)
+    softcap: float | None = None,  # logits -> softcap * tanh(logits / softcap) before the mask (Gemma 2)
 ) -> torch.Tensor:  # [B, Hkv, G*T, D], q's dtype
     from pipeline.models import decode_attention_triton as kern
     from pipeline.models.pdl import launch_kwargs
@@ -196,11 +206,13 @@ def triton_slot_attention(
     launch: dict[str, Any] = {"num_warps": warps, "num_stages": stages, **launch_kwargs(use_pdl)}
     kern.slot_attention_split[(num_splits, B * Hkv, m_blocks)](
         q, k_cache, v_cache, slots, pos, out, part_acc, part_m, part_l,
-        M, T, S, min_chunk, num_splits, scale * math.log2(math.e), window or 0, sinks if window else 0,
+        M, T, S, min_chunk, num_splits, scale / softcap if softcap else scale * math.log2(math.e), window or 0,
+        sinks if window else 0, softcap * math.log2(math.e) if softcap else 0.0,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *pos.stride(), *out.stride(),
         HKV=Hkv, HEAD_D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_WINDOW=window is not None,
         SINGLE=single, DOT_PRECISION=_DOT_PRECISION_F32 if q.dtype == torch.float32 else "tf32",
-        DOT_IN_F32=q.dtype == torch.bfloat16 and kern.interpreted(), USE_PDL=use_pdl, **launch,
+        DOT_IN_F32=q.dtype == torch.bfloat16 and kern.interpreted(), USE_PDL=use_pdl, SOFTCAP=bool(softcap),
+        **launch,
     )
     if not single:
         kern.slot_attention_combine[(B * Hkv, m_blocks)](
@@ -213,9 +225,9 @@ def triton_slot_attention(
 
 def slot_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
-    S: int, scale: float, window: int | None = None, kind: str = "auto", sinks: int = 0,
+    S: int, scale: float, window: int | None = None, kind: str = "auto", sinks: int = 0, softcap: float | None = None,
 ) -> torch.Tensor:  # [B, Hkv, G*T, D]
     """Dispatch on `kind` ('auto': Triton on CUDA when it imports, else the reference)."""
     if resolve_attention(kind, q.device) == "triton":
-        return triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, window, sinks=sinks)
-    return sdpa_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, window, sinks=sinks)
+        return triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, window, sinks=sinks, softcap=softcap)
+    return sdpa_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, window, sinks=sinks, softcap=softcap)

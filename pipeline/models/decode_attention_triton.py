@@ -37,17 +37,29 @@ def _chunk(n_keys, NUM_SPLITS, MIN_CHUNK, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _attend_keys(q, k_base, v_base, start, hi, qpos, m_i, l_i, acc, scale_log2, window, sinks, offs_n0, offs_d,
-                 d_valid, s_kl, s_kd, s_vl, s_vd, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 DOT_IN_F32: tl.constexpr):
-    """One block of keys [start, start + BLOCK_N) below `hi` into the online softmax -> (m_i, l_i, acc)."""
+def _tanh(x):
+    """tanh in float32 as 2 * sigmoid(2x) - 1 (saturates to +-1, no overflow; the interpreter has it too)."""
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _attend_keys(q, k_base, v_base, start, hi, qpos, m_i, l_i, acc, scale_log2, window, sinks, cap_log2, offs_n0,
+                 offs_d, d_valid, s_kl, s_kd, s_vl, s_vd, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 DOT_IN_F32: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One block of keys [start, start + BLOCK_N) below `hi` into the online softmax -> (m_i, l_i, acc). With
+    SOFTCAP the logits are cap * tanh(scale * q.k / cap) before the mask (scale_log2 = scale / cap, cap_log2 =
+    cap * log2(e)); otherwise scale * q.k (scale_log2 = scale * log2(e))."""
     offs_n = start + offs_n0
     n_valid = offs_n < hi
     kt = tl.load(k_base + offs_n[None, :] * s_kl + offs_d[:, None] * s_kd,
                  mask=n_valid[None, :] & d_valid[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
     if DOT_IN_F32:
         kt = kt.to(tl.float32)
-    s = tl.dot(q, kt, input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N] float32
+    s = tl.dot(q, kt, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] float32
+    if SOFTCAP:  # Gemma 2's attention logit soft-capping, in log2 units
+        s = _tanh(s * scale_log2) * cap_log2
+    else:
+        s = s * scale_log2
     allowed = (offs_n[None, :] <= qpos[:, None]) & n_valid[None, :]
     if HAS_WINDOW:  # the window, and the sinks below it (StreamingLLM; sinks = 0 for a model's own window)
         allowed = allowed & ((offs_n[None, :] > qpos[:, None] - window) | (offs_n[None, :] < sinks))
@@ -69,7 +81,7 @@ def _attend_keys(q, k_base, v_base, start, hi, qpos, m_i, l_i, acc, scale_log2, 
 @triton.jit
 def slot_attention_split(
     Q, K, V, SLOTS, POS, OUT, PART_ACC, PART_M, PART_L,
-    M, T, S, MIN_CHUNK, NUM_SPLITS, scale_log2, window, sinks,
+    M, T, S, MIN_CHUNK, NUM_SPLITS, scale_log2, window, sinks, cap_log2,
     s_qb, s_qh, s_qm, s_qd,
     s_kn, s_kh, s_kl, s_kd,
     s_vn, s_vh, s_vl, s_vd,
@@ -85,6 +97,7 @@ def slot_attention_split(
     DOT_PRECISION: tl.constexpr,
     DOT_IN_F32: tl.constexpr,  # interpreter + bf16 only: Triton 3.6's interpreter multiplies bf16 as raw bits
     USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (pipeline.models.pdl)
+    SOFTCAP: tl.constexpr = False,  # logits soft-capped (cap_log2; `_attend_keys`)
 ):
     split = tl.program_id(0)
     bh = tl.program_id(1)
@@ -126,13 +139,13 @@ def slot_attention_split(
         if split == 0:  # the sink keys below the window, [0, min(sinks, first)): visible to every query row
             for start in range(0, tl.minimum(sinks, first), BLOCK_N):
                 m_i, l_i, acc = _attend_keys(q, k_base, v_base, start, tl.minimum(sinks, first), qpos, m_i, l_i, acc,
-                                             scale_log2, window, sinks, offs_n0, offs_d, d_valid, s_kl, s_kd, s_vl,
-                                             s_vd, HAS_WINDOW, DOT_PRECISION, DOT_IN_F32)
+                                             scale_log2, window, sinks, cap_log2, offs_n0, offs_d, d_valid, s_kl,
+                                             s_kd, s_vl, s_vd, HAS_WINDOW, DOT_PRECISION, DOT_IN_F32, SOFTCAP)
         lo = tl.maximum(lo, first)
     for start in range(lo, hi, BLOCK_N):
         m_i, l_i, acc = _attend_keys(q, k_base, v_base, start, hi, qpos, m_i, l_i, acc, scale_log2, window, sinks,
-                                     offs_n0, offs_d, d_valid, s_kl, s_kd, s_vl, s_vd, HAS_WINDOW, DOT_PRECISION,
-                                     DOT_IN_F32)
+                                     cap_log2, offs_n0, offs_d, d_valid, s_kl, s_kd, s_vl, s_vd, HAS_WINDOW,
+                                     DOT_PRECISION, DOT_IN_F32, SOFTCAP)
 
     if SINGLE:
         y = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]

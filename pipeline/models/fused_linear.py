@@ -13,7 +13,9 @@ tail of its last wave), which at batch 1 is a large share of a small matrix's fe
     h    = silu(gate) * up of linear(rms_norm(x)) NORM, GATE
     x   += linear(h)            in place          RESIDUAL
 
-and all seven are Triton kernels launched with programmatic dependent launch where the GPU has it
+(Gemma: the norms run by (1 + weight), the gate is GeGLU's tanh GELU, and the output and down projections write
+their result, which `add_norm` normalises into the residual stream: nine kernels a layer)
+and all of them are Triton kernels launched with programmatic dependent launch where the GPU has it
 (`pipeline.models.pdl`): each one's launch and start-up overlaps its predecessor's epilogue.
 
 Measured on an H100 (`python -m ops.gpu_bench --attention auto,kernels`; docs/benchmarks.md): batch-1 steps
@@ -74,6 +76,7 @@ from pipeline.models.pdl import launch_kwargs
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 64
+GATE_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the gate epilogue's activations (families.ACTIVATIONS' names)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 _SMEM_BUDGET = 160 * 1024
 # `preload`: load each program's first K tile of the weight before the PDL wait (weights are never written by a
@@ -206,8 +209,10 @@ def _launch(x: torch.Tensor, M: int, K: int, row: tuple[int, int, int], col: tup
             w: torch.Tensor, bias: Optional[torch.Tensor], norm_w: Optional[torch.Tensor], eps: float, gate: bool,
             residual: Optional[torch.Tensor], out: Optional[torch.Tensor], use_pdl: bool,
             config: Optional[FusedConfig], w_scale: Optional[torch.Tensor] = None,
-            push: Optional[Push] = None, preload: str = "auto", use_gemv: bool = True) -> torch.Tensor:
+            push: Optional[Push] = None, preload: str = "auto", use_gemv: bool = True,
+            norm_offset: bool = False, act: str = "silu") -> torch.Tensor:
     assert preload in PRELOADS, f"preload must be one of {PRELOADS}, got {preload!r}"
+    assert act in GATE_ACTIVATIONS, f"act must be one of {GATE_ACTIVATIONS}, got {act!r}"
     assert config is None or not config.gemv or M == 1, f"the CUDA-core product (gemv) is for one-row calls, not {M}"
     from pipeline.models import fused_linear_triton as kern
 
@@ -246,7 +251,8 @@ def _launch(x: torch.Tensor, M: int, K: int, row: tuple[int, int, int], col: tup
         R_PAD=_pow2(M), NORM_CHUNK=max(16, min(_pow2(K), 8192 // _pow2(M))),
         USE_PDL=use_pdl, PRELOAD=preload == "on" or (preload == "auto" and w.dtype == FP8),
         GEMV=c.gemv, AHEAD=c.ahead, DOT_IN_F32=kern.interpreted() and x.dtype == torch.bfloat16,
-        PUSH=push is not None, N_RANKS=n_ranks,
+        PUSH=push is not None, N_RANKS=n_ranks, NORM_OFFSET=norm_offset and norm_w is not None,
+        GELU=gate and act == "gelu_pytorch_tanh",
         num_warps=c.num_warps, num_stages=c.num_stages, **launch_kwargs(use_pdl),
     )
     return out
@@ -268,11 +274,35 @@ def fused_linear(
     push: Optional[Push] = None,  # tensor parallel: send the result to every rank's partials of a site, not to out
     preload: str = "auto",  # with PDL, the first weight tile before the wait: auto (float8 weights only), on, off
     gemv: bool = True,  # one-row calls may take the CUDA-core product (the tuner times both)
+    norm_offset: bool = False,  # with norm_w: the norm scales by (1 + weight) (Gemma)
+    act: str = "silu",  # with gate: the gate's activation, "silu" or "gelu_pytorch_tanh" (GeGLU)
 ) -> torch.Tensor:
     M, K = x.shape
     assert x.stride(1) == 1, "x needs unit column stride"
     return _launch(x, M, K, (1, x.stride(0), 0), (1, 1), w, bias, norm_w, eps, gate, residual, out, use_pdl, config,
-                   w_scale, push, preload, gemv)
+                   w_scale, push, preload, gemv, norm_offset, act)
+
+
+def add_norm(
+    x: torch.Tensor,  # [M, C] residual stream, updated in place
+    y: torch.Tensor,  # [M, C] a linear's output
+    norm_w: torch.Tensor,  # [C]
+    eps: float,
+    use_pdl: bool = False,
+) -> torch.Tensor:  # x
+    """x += rms_norm(y) * (1 + norm_w) in place, one launch (Gemma's norms after attention and after the MLP):
+    `llama.rms_norm(y, norm_w, eps, unit_offset=True)` added to x, rounded as the eager path rounds."""
+    from pipeline.models import fused_linear_triton as kern
+
+    M, C = x.shape
+    assert y.shape == (M, C) and x.stride(1) == 1 and y.stride(1) == 1 and norm_w.shape == (C,), (x.shape, y.shape)
+    if x.device.type != "cuda" and not kern.interpreted():
+        raise RuntimeError("add_norm on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
+                           "before triton is first imported")
+    block = _pow2(C)
+    kern.add_norm_kernel[(M,)](x, y, norm_w, C, x.stride(0), y.stride(0), float(eps), BLOCK_C=block, USE_PDL=use_pdl,
+                               num_warps=8 if block >= 4096 else 4, **launch_kwargs(use_pdl))
+    return x
 
 
 def fused_linear_heads(

@@ -13,8 +13,9 @@ per BLOCK_N output columns over the whole depth K (no split, so the epilogue see
 - x addressing: row m = (m // XT, m % XT) with strides (s_xb, s_xt), column k = (k // XD, k % XD) with
   strides (s_xj, 1). A plain [M, K] matrix is XT = 1, XD = 1; the attention output [B, Hkv, G*T, D] read as
   [B*T, H*D] is XT = T, XD = D, s_xj = T*D (the permute the eager path copies);
-- epilogue GATE: w holds gate rows [0, N) and up rows [N_UP, N_UP + N); y = silu(gate) * up, each rounded as
-  the eager `F.silu(gate) * up` rounds;
+- prologue NORM_OFFSET (Gemma): the norm scales by (1 + weight), added in float32, and x times it rounded once;
+- epilogue GATE: w holds gate rows [0, N) and up rows [N_UP, N_UP + N); y = silu(gate) * up (GELU: Gemma's
+  gelu_pytorch_tanh(gate) * up), each rounded as the eager `act(gate) * up` rounds;
 - epilogue RESIDUAL: y = res + (x @ w^T + bias) rounded to x's dtype first (the eager `x + linear(...)`);
   res may be y itself (in place: each element is read and written by the same program);
 - otherwise y = (x @ w^T + bias) rounded to x's dtype, stored in y's dtype (float32 logits: the eager
@@ -34,6 +35,9 @@ weight tile AHEAD steps on, and x's next tile (with the norm weight's), are load
 The prologue and epilogue are the same; only the order of the float32 additions differs from the tensor-core loop.
 Float8 weights are widened by their bits (`_widen`: the value times 2**-120, which x's 2**64 and the sums' 2**56
 undo), two integer operations an element instead of the hardware's two conversions.
+
+`add_norm_kernel`: x += rms_norm(y) * (1 + weight), in place, a row a program: Gemma's norms after attention and
+after the MLP, which need a linear's whole output row and so cannot sit in its epilogue.
 
 USE_PDL: programmatic dependent launch (`pipeline.models.pdl`): wait for the previous kernel before touching x,
 res or y; let the next kernel launch after the K loop (an earlier trigger measured 5-10% slower on an H100).
@@ -108,15 +112,18 @@ def _w_tile(rows, offs_k, n_ok, K, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _prep_x(x, NORM_W, offs_k, K, DT: tl.constexpr, EVEN_K: tl.constexpr, NORM: tl.constexpr,
-            DOT_IN_F32: tl.constexpr):
-    """x's tile as the product takes it: times the norm weight, rounded (the rows' 1/rms scales the sums after
-    the loop), in DT (float32 with DOT_IN_F32)."""
+            DOT_IN_F32: tl.constexpr, NORM_OFFSET: tl.constexpr = False):
+    """x's tile as the product takes it: times the norm weight (NORM_OFFSET: 1 + weight, in float32), rounded (the
+    rows' 1/rms scales the sums after the loop), in DT (float32 with DOT_IN_F32)."""
     if NORM:
         if EVEN_K:
-            nw = tl.load(NORM_W + offs_k).to(DT)
+            nw = tl.load(NORM_W + offs_k)
         else:
-            nw = tl.load(NORM_W + offs_k, mask=offs_k < K, other=0.0).to(DT)
-        x = _mul_rounded(x, nw[None, :], DOT_IN_F32)  # one product per element; x is already in DT (X.dtype)
+            nw = tl.load(NORM_W + offs_k, mask=offs_k < K, other=0.0)
+        if NORM_OFFSET:  # Gemma: (1 + weight) in float32, the product rounded once
+            x = (x.to(tl.float32) * (nw.to(tl.float32) + 1.0)[None, :]).to(DT)
+        else:
+            x = _mul_rounded(x, nw.to(DT)[None, :], DOT_IN_F32)  # one product per element; x is already in DT
     else:
         x = x.to(DT)
     if DOT_IN_F32:
@@ -125,22 +132,37 @@ def _prep_x(x, NORM_W, offs_k, K, DT: tl.constexpr, EVEN_K: tl.constexpr, NORM: 
 
 
 @triton.jit
-def _x_raw(X, NORM_W, offs_k, K, s_xj, XD: tl.constexpr, NORM: tl.constexpr):
-    """(x's first row, the norm weight) at columns offs_k as loaded, 0 past K (without NORM, x twice)."""
+def _x_raw(X, NORM_W, offs_k, K, s_xj, XD: tl.constexpr, NORM: tl.constexpr, NORM_OFFSET: tl.constexpr = False):
+    """(x's first row, the norm weight) at columns offs_k as loaded, 0 past K (without NORM, x twice; NORM_OFFSET:
+    1 + the weight, in float32)."""
     cols = (offs_k // XD) * s_xj + offs_k % XD
     x = tl.load(X + cols, mask=offs_k < K, other=0.0)
     nw = x
     if NORM:
-        nw = tl.load(NORM_W + offs_k, mask=offs_k < K, other=0.0).to(x.dtype)
+        if NORM_OFFSET:
+            nw = tl.load(NORM_W + offs_k, mask=offs_k < K, other=0.0).to(tl.float32) + 1.0
+        else:
+            nw = tl.load(NORM_W + offs_k, mask=offs_k < K, other=0.0).to(x.dtype)
     return x, nw
 
 
 @triton.jit
-def _x_prep(x, nw, DT: tl.constexpr, NORM: tl.constexpr, IN_F32: tl.constexpr):
+def _x_prep(x, nw, DT: tl.constexpr, NORM: tl.constexpr, IN_F32: tl.constexpr, NORM_OFFSET: tl.constexpr = False):
     """`_x_raw`'s row as the product takes it (`_prep_x`'s rounding), in float32."""
     if NORM:
-        x = _mul_rounded(x.to(DT), nw.to(DT), IN_F32)
+        if NORM_OFFSET:
+            x = (x.to(tl.float32) * nw).to(DT)
+        else:
+            x = _mul_rounded(x.to(DT), nw.to(DT), IN_F32)
     return x.to(tl.float32)
+
+
+@triton.jit
+def _gelu_tanh(x):
+    """F.gelu(x, approximate="tanh") in float32: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), the tanh as
+    2 sigmoid(2z) - 1."""
+    z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    return x * tl.sigmoid(2.0 * z)  # 0.5 x (1 + tanh(z)) = x sigmoid(2z)
 
 
 @triton.jit
@@ -196,6 +218,8 @@ def fused_linear_kernel(
     DOT_IN_F32: tl.constexpr,  # interpreter + bf16 only: Triton 3.6's interpreter multiplies bf16 as raw bits
     PUSH: tl.constexpr,  # tensor parallel: the float32 result goes to every rank's partials of a site, not to Y
     N_RANKS: tl.constexpr,
+    NORM_OFFSET: tl.constexpr = False,  # with NORM: the norm scales by (1 + weight) in float32 (Gemma)
+    GELU: tl.constexpr = False,  # with GATE: gelu_pytorch_tanh(gate) * up (GeGLU), not silu
 ):
     DT = X.dtype.element_ty  # the model's activation dtype: products and roundings in it
     pid = tl.program_id(0)
@@ -237,7 +261,7 @@ def fused_linear_kernel(
             w1 = _w_tile(w_rows, offs_k0 + BLOCK_K, n_ok, K, False)
             if GATE:
                 u1 = _w_tile(u_rows, offs_k0 + BLOCK_K, n_ok, K, False)
-        xr, nw = _x_raw(X, NORM_W, offs_k0, K, s_xj, XD, NORM)
+        xr, nw = _x_raw(X, NORM_W, offs_k0, K, s_xj, XD, NORM, NORM_OFFSET)
         # `_widen`'s float8 bits are the weights times 2**-120: x times 2**64 and the sums times 2**56 put it back,
         # every product exact as before unless |x * w| < 2**-70 (then within 2**-93 of it).
         x_shift = 18446744073709551616.0 if HAS_SCALE else 1.0  # 2**64
@@ -247,8 +271,8 @@ def fused_linear_kernel(
             u_new = w_new
             if GATE:
                 u_new = _w_tile(u_rows, offs_k + AHEAD * BLOCK_K, n_ok, K, False)
-            xr_next, nw_next = _x_raw(X, NORM_W, offs_k + BLOCK_K, K, s_xj, XD, NORM)
-            xv = _x_prep(xr, nw, DT, NORM, DOT_IN_F32) * x_shift
+            xr_next, nw_next = _x_raw(X, NORM_W, offs_k + BLOCK_K, K, s_xj, XD, NORM, NORM_OFFSET)
+            xv = _x_prep(xr, nw, DT, NORM, DOT_IN_F32, NORM_OFFSET) * x_shift
             part += xv[:, None] * _widen(w, HAS_SCALE)
             if GATE:
                 part_u += xv[:, None] * _widen(u, HAS_SCALE)
@@ -269,7 +293,7 @@ def fused_linear_kernel(
     else:
         if PRELOAD:  # the first K tile's weights came in before the wait; x's tile only now
             x = _load_x(x_rows, m_ok, offs_k0, s_xj, K, XD, EVEN_K)
-            x = _prep_x(x, NORM_W, offs_k0, K, DT, EVEN_K, NORM, DOT_IN_F32)
+            x = _prep_x(x, NORM_W, offs_k0, K, DT, EVEN_K, NORM, DOT_IN_F32, NORM_OFFSET)
             acc = _dot_acc(acc, x, w0, DT, HAS_SCALE, DOT_IN_F32)
             if GATE:
                 acc_u = _dot_acc(acc_u, x, u0, DT, HAS_SCALE, DOT_IN_F32)
@@ -277,7 +301,7 @@ def fused_linear_kernel(
             offs_k = k0 + offs_k0
             x = _load_x(x_rows, m_ok, offs_k, s_xj, K, XD, EVEN_K)
             w = _w_tile(w_rows, offs_k, n_ok, K, EVEN_K)  # [BLOCK_K, BLOCK_N]
-            x = _prep_x(x, NORM_W, offs_k, K, DT, EVEN_K, NORM, DOT_IN_F32)
+            x = _prep_x(x, NORM_W, offs_k, K, DT, EVEN_K, NORM, DOT_IN_F32, NORM_OFFSET)
             acc = _dot_acc(acc, x, w, DT, HAS_SCALE, DOT_IN_F32)
             if GATE:
                 u = _w_tile(u_rows, offs_k, n_ok, K, EVEN_K)
@@ -302,7 +326,10 @@ def fused_linear_kernel(
     mask = m_ok[:, None] & n_ok[None, :]
     if GATE:
         up = acc_u.to(DT).to(tl.float32)
-        act = (out / (1.0 + tl.exp(-out))).to(DT).to(tl.float32)  # F.silu, rounded
+        if GELU:
+            act = _gelu_tanh(out).to(DT).to(tl.float32)  # F.gelu(approximate="tanh"), rounded
+        else:
+            act = (out / (1.0 + tl.exp(-out))).to(DT).to(tl.float32)  # F.silu, rounded
         out = act * up
     if RESIDUAL:
         res = tl.load(RES + offs_m[:, None] * s_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -315,6 +342,26 @@ def fused_linear_kernel(
             tl.store(dst + offs_m[:, None] * s_pm + offs_n[None, :], acc, mask=mask)
     else:
         tl.store(Y + offs_m[:, None] * s_ym + offs_n[None, :], out.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def add_norm_kernel(X, Y, NORM_W, C, s_xm, s_ym, eps, BLOCK_C: tl.constexpr, USE_PDL: tl.constexpr):
+    """x[m] += rms_norm(y[m]) * (1 + weight), one row a program (Gemma's norms after attention and after the MLP,
+    before the residual add): the norm in float32 rounded to x's dtype, then the sum rounded, as the eager
+    `x + post_norm(y)` rounds."""
+    m = tl.program_id(0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    offs = tl.arange(0, BLOCK_C)
+    ok = offs < C
+    y = tl.load(Y + m * s_ym + offs, mask=ok, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(y * y, axis=0) / C + eps)
+    w = tl.load(NORM_W + offs, mask=ok, other=0.0).to(tl.float32)
+    DT = X.dtype.element_ty
+    normed = (y * rstd * (1.0 + w)).to(DT).to(tl.float32)
+    x = tl.load(X + m * s_xm + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(X + m * s_xm + offs, (x + normed).to(DT), mask=ok)
 
 
 @triton.jit

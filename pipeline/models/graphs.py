@@ -1,4 +1,5 @@
-"""Static-shape decode/verify path for the Llama family: CUDA graphs over the preallocated KV cache.
+"""Static-shape decode/verify path for the fast path's families (Llama, Mistral, Qwen2/3, Gemma 2/3): CUDA graphs
+over the preallocated KV cache.
 
 `GraphCausalLM` wraps a `LlamaCausalLM` and implements the same `CausalLM` protocol. A decode (T = 1) or
 verify (T = K+1) call is padded to a bucket `(Bb, Tb, Sb)` (batch rows, fed tokens, keys read from the cache)
@@ -23,6 +24,11 @@ Static shapes, step by step:
   split-KV Triton kernel that reads each row's slot in place and stops at the row's last visible key
   ('triton'); otherwise the row slots are gathered (`index_select`) and fed to masked SDPA ('sdpa').
 
+Families: what a family changes in the layer (`families.Family`) is read per layer inside the step: each layer's
+sliding window and RoPE table (Gemma's alternating sliding and global layers, Gemma 3's local RoPE base), the
+attention scale and logit soft-cap, (1 + weight) norms, norms after attention and the MLP, GeGLU, scaled embeddings
+and the final soft-cap; all of it is static per layer, so one captured graph holds every layer's variant.
+
 Weights: q/k/v and gate/up projections are fused into one matrix each (the eager runner's parameters become
 views into them, so no memory is duplicated). With `compile=True` (default on CUDA) the per-layer pointwise
 work (RMSNorm, RoPE, SiLU-gate, residuals) is fused by `torch.compile`; the cache write and attention stay
@@ -38,14 +44,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pipeline.models import fused_linear as fl
 from pipeline.models import pdl
 from pipeline.models.base import CausalLM
 from pipeline.models.decode_attention import resolve_attention, sdpa_mask, sdpa_slot_attention, triton_slot_attention
-from pipeline.models.llama import LlamaArgs, LlamaCausalLM, rms_norm
+from pipeline.models.families import ACTIVATIONS
+from pipeline.models.llama import LlamaArgs, LlamaCausalLM, rms_norm, soft_cap
 from pipeline.models.rope_write import cache_rows, rope_split, triton_rope_write
 from pipeline.models.skinny_linear import linear, resolve_linear
 
@@ -133,8 +139,9 @@ def qkv_proj(
     bqkv: torch.Tensor | None,
     eps: float,
     linear_kind: str = "torch",
+    offset: bool = False,  # the norms scale by (1 + weight) (Gemma)
 ) -> torch.Tensor:  # [B, T, (H + 2 Hkv) D]
-    return linear(rms_norm(x, norm_w, eps), wqkv, bqkv, linear_kind)
+    return linear(rms_norm(x, norm_w, eps, offset), wqkv, bqkv, linear_kind)
 
 
 def attn_in(
@@ -148,11 +155,12 @@ def attn_in(
     n_heads: int,
     n_kv_heads: int,
     linear_kind: str = "torch",
-    q_norm: torch.Tensor | None = None,  # [D] per-head q/k norm weights (Qwen3); None: none
+    q_norm: torch.Tensor | None = None,  # [D] per-head q/k norm weights (Qwen3, Gemma 3); None: none
     k_norm: torch.Tensor | None = None,
+    offset: bool = False,  # the norms scale by (1 + weight) (Gemma)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [B, Hkv, G*T, D]; k, v [B*T*Hkv, D]
-    qkv = qkv_proj(x, norm_w, wqkv, bqkv, eps, linear_kind)
-    return rope_split(qkv, cos, sin, n_heads, n_kv_heads, q_norm, k_norm, eps)
+    qkv = qkv_proj(x, norm_w, wqkv, bqkv, eps, linear_kind, offset)
+    return rope_split(qkv, cos, sin, n_heads, n_kv_heads, q_norm, k_norm, eps, offset)
 
 
 def attn_out_mlp(
@@ -167,19 +175,26 @@ def attn_out_mlp(
     b2: torch.Tensor | None,
     eps: float,
     linear_kind: str = "torch",
+    post_attn_norm: torch.Tensor | None = None,  # [C] norm of the attention output before the residual add (Gemma)
+    post_ffn_norm: torch.Tensor | None = None,  # [C] the same for the MLP output
+    act: str = "silu",  # the gate's activation (families.ACTIVATIONS)
+    offset: bool = False,  # the norms scale by (1 + weight) (Gemma)
 ) -> torch.Tensor:  # [B, T, C]
     B, T, C = x.shape
     Hkv, GT, D = y.shape[1:]
     G = GT // T
     y = y.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hkv * G * D)  # [B, T, H*D]
-    x = x + linear(y, wo, bo, linear_kind)
-    gate, up = linear(rms_norm(x, norm_w, eps), w13, b13, linear_kind).chunk(2, dim=-1)  # [B, T, I] each
-    return x + linear(F.silu(gate) * up, w2, b2, linear_kind)
+    o = linear(y, wo, bo, linear_kind)
+    x = x + (o if post_attn_norm is None else rms_norm(o, post_attn_norm, eps, offset))
+    gate, up = linear(rms_norm(x, norm_w, eps, offset), w13, b13, linear_kind).chunk(2, dim=-1)  # [B, T, I] each
+    h = linear(ACTIVATIONS[act](gate) * up, w2, b2, linear_kind)
+    return x + (h if post_ffn_norm is None else rms_norm(h, post_ffn_norm, eps, offset))
 
 
 def final_logits(x: torch.Tensor, norm_w: torch.Tensor, w_out: torch.Tensor, eps: float,
-                 linear_kind: str = "torch") -> torch.Tensor:
-    return linear(rms_norm(x, norm_w, eps), w_out, None, linear_kind).float()  # [B, T, V] float32
+                 linear_kind: str = "torch", offset: bool = False, softcap: float | None = None) -> torch.Tensor:
+    logits = linear(rms_norm(x, norm_w, eps, offset), w_out, None, linear_kind)
+    return soft_cap(logits, softcap).float()  # [B, T, V] float32
 
 
 @dataclass
@@ -194,8 +209,12 @@ class _LayerWeights:
     b13: torch.Tensor | None
     w2: torch.Tensor
     b2: torch.Tensor | None
-    q_norm: torch.Tensor | None = None  # [D] per-head norms before RoPE (Qwen3)
+    q_norm: torch.Tensor | None = None  # [D] per-head norms before RoPE (Qwen3, Gemma 3)
     k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None  # [C] norms of the attention and MLP outputs (Gemma)
+    post_ffn_norm: torch.Tensor | None = None
+    window: int | None = None  # this layer's sliding window (None: global)
+    local_rope: bool = False  # this layer rotates by the sliding layers' own RoPE base (Gemma 3)
 
 
 def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -231,21 +250,30 @@ class GraphStats:
 
 
 def graph_path_reason(a: LlamaArgs) -> str | None:
-    """None when the static-shape path computes this model's layers, else what it lacks (one line). Its layer
-    math and kernels are Llama's: the other families' features run on the eager fast path only."""
+    """None when the static-shape path computes this model's layers, else what it lacks (one line). It computes
+    every fast-path family (`families.FAMILIES`); an activation outside the fused gate's is the one gap."""
+    if a.activation not in fl.GATE_ACTIVATIONS:
+        return f"the graph path has no {a.activation} MLP"
+    return None
+
+
+def graph_features(a: LlamaArgs) -> str:
+    """What the graph path computes for this model beyond Llama's layer, for the path-choice log line ('' for
+    Llama's own)."""
     f = a.family
-    lacks = [what for what, used in (
+    used = [what for what, on in (
+        ("q/k norms", f.qk_norm),
         ("(1 + weight) norms", f.unit_offset_norm),
         ("post-attention/MLP norms", f.sandwich_norms),
         ("scaled embeddings", f.embed_scale),
-        (f"a {a.activation} MLP", a.activation != "silu"),
-        ("query_pre_attn_scalar", a.attn_scale is not None),
+        ("GeGLU", a.activation == "gelu_pytorch_tanh"),
         ("attention soft-capping", a.attn_softcap is not None),
         ("final logit soft-capping", a.final_softcap is not None),
         ("per-layer sliding windows", len({a.window(i) for i in range(a.n_layers)}) > 1),
+        ("a sliding window", len({a.window(i) for i in range(a.n_layers)}) == 1 and a.sliding_window is not None),
         ("per-layer RoPE bases", a.local_rope_theta is not None),
-    ) if used]
-    return None if not lacks else "the graph path has no " + ", ".join(lacks)
+    ) if on]
+    return ", ".join(used)
 
 
 class GraphCausalLM:
@@ -281,6 +309,7 @@ class GraphCausalLM:
             raise ValueError("weights='fp8' needs a GPU with float8 support (compute capability 8.9 or later)")
         self.use_pdl = (pdl.enabled(self.device) if cfg.pdl is None else cfg.pdl) and self.attention == "triton"
         self.stats = GraphStats()
+        self._scale = runner.args.attn_scale or 1.0 / math.sqrt(runner.args.head_dim)  # attention logits' scale
         self._graphs: dict[tuple[int, int, int], _Graph] = {}
         self._pool = None
         m = runner.model
@@ -289,10 +318,16 @@ class GraphCausalLM:
             at, ff = layer.attention, layer.feed_forward
             wqkv, bqkv = _fuse([at.wq, at.wk, at.wv])
             w13, b13 = _fuse([ff.w1, ff.w3])
+            i = len(self._layers)
+            sandwich = runner.args.family.sandwich_norms
             self._layers.append(_LayerWeights(
                 layer.attention_norm.weight, wqkv, bqkv, at.wo.weight, at.wo.bias,
                 layer.ffn_norm.weight, w13, b13, ff.w2.weight, ff.w2.bias,
-                *((at.q_norm.weight, at.k_norm.weight) if at.q_norm is not None else ()),
+                q_norm=at.q_norm.weight if at.q_norm is not None else None,
+                k_norm=at.k_norm.weight if at.k_norm is not None else None,
+                post_attn_norm=layer.post_attention_norm.weight if sandwich else None,
+                post_ffn_norm=layer.post_ffn_norm.weight if sandwich else None,
+                window=runner.args.window(i), local_rope=runner.args.local_rope(i),
             ))
         # weights='fp8': per layer {name: (float8 weight, row scales)}, and the output layer's
         self._fp8: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
@@ -551,34 +586,44 @@ class GraphCausalLM:
         Hkv, D, L = a.n_kv_heads, a.head_dim, self.max_len
         G = a.n_heads // Hkv
         lk = self.linear_kind
+        r, off = self.runner, a.family.unit_offset_norm
         pos = positions[:, None] + self._arange[:T]  # [B, T]
-        scale = 1.0 / math.sqrt(D)  # SDPA's default
+        scale = self._scale
         triton = self.attention == "triton"
         fused_rope = triton if self.config.fused_rope is None else self.config.fused_rope
         if not fused_rope:
-            cos = self.runner._cos[pos].unsqueeze(2)  # [B, T, 1, D]
-            sin = self.runner._sin[pos].unsqueeze(2)
+            ropes = {False: (r._cos[pos].unsqueeze(2), r._sin[pos].unsqueeze(2))}  # cos, sin [B, T, 1, D]
+            if r.local_inv_freq is not None:  # the sliding layers' own base (Gemma 3)
+                ropes[True] = (r._local_cos[pos].unsqueeze(2), r._local_sin[pos].unsqueeze(2))
             rows = cache_rows(slots, pos, Hkv, L)  # [B * T * Hkv], in k/v order
-        mask = None if triton else sdpa_mask(pos, S, G, window, self.dtype, sinks)  # [B, 1, G*T, S]
+        masks: dict[int | None, torch.Tensor] = {}  # window -> [B, 1, G*T, S] (SDPA), shared by the layers
 
-        x = self.runner.model.tok_embeddings(tokens)  # [B, T, C]
-        for w, k_cache, v_cache in zip(self._layers, self.runner.k_caches, self.runner.v_caches):
+        x = r.model.embed(tokens)  # [B, T, C]
+        for w, k_cache, v_cache in zip(self._layers, r.k_caches, r.v_caches):
+            win = window if stream is not None else w.window
             if fused_rope:
-                qkv = self._qkv_proj(x, w.attn_norm, w.wqkv, w.bqkv, a.norm_eps, lk)
-                q = triton_rope_write(qkv, self.runner._cos, self.runner._sin, pos, slots, k_cache, v_cache, a.n_heads,
-                                      q_norm=w.q_norm, k_norm=w.k_norm, eps=a.norm_eps)
+                qkv = self._qkv_proj(x, w.attn_norm, w.wqkv, w.bqkv, a.norm_eps, lk, off)
+                cos_t, sin_t = (r._local_cos, r._local_sin) if w.local_rope else (r._cos, r._sin)
+                q = triton_rope_write(qkv, cos_t, sin_t, pos, slots, k_cache, v_cache, a.n_heads,
+                                      q_norm=w.q_norm, k_norm=w.k_norm, eps=a.norm_eps, norm_offset=off)
             else:
+                cos, sin = ropes[w.local_rope]
                 q, k, v = self._attn_in(x, w.attn_norm, w.wqkv, w.bqkv, cos, sin, a.norm_eps, a.n_heads, Hkv, lk,
-                                        w.q_norm, w.k_norm)
+                                        w.q_norm, w.k_norm, off)
                 k_cache.view(-1, D).index_copy_(0, rows, k)
                 v_cache.view(-1, D).index_copy_(0, rows, v)
             if triton:
-                y = triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, window, sinks=sinks)
+                y = triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, win, sinks=sinks,
+                                          softcap=a.attn_softcap)
             else:
-                y = sdpa_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, window, mask)
-            x = self._attn_out_mlp(x, y, w.wo, w.bo, w.ffn_norm, w.w13, w.b13, w.w2, w.b2, a.norm_eps, lk)
-        m = self.runner.model
-        out.copy_(self._final_logits(x, m.norm.weight, m.output.weight, a.norm_eps, lk))
+                if win not in masks:
+                    masks[win] = sdpa_mask(pos, S, G, win, self.dtype, sinks)
+                y = sdpa_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, win, masks[win],
+                                        softcap=a.attn_softcap)
+            x = self._attn_out_mlp(x, y, w.wo, w.bo, w.ffn_norm, w.w13, w.b13, w.w2, w.b2, a.norm_eps, lk,
+                                   w.post_attn_norm, w.post_ffn_norm, a.activation, off)
+        m = r.model
+        out.copy_(self._final_logits(x, m.norm.weight, m.output.weight, a.norm_eps, lk, off, a.final_softcap))
 
     def _fused_forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, S: int,
                        out: torch.Tensor, stream: tuple[int, int] | None = None) -> None:
@@ -592,9 +637,9 @@ class GraphCausalLM:
         kw = {"preload": self.config.pdl_preload, "gemv": self.config.gemv}  # every fused linear's launch options
         tp = self._tp_sites
         window, sinks = stream or (a.sliding_window, 0)
+        off = a.family.unit_offset_norm
         pos = positions[:, None] + self._arange[:T]  # [B, T]
-        scale = 1.0 / math.sqrt(a.head_dim)
-        x = r.model.tok_embeddings(tokens).view(B * T, -1)  # [B*T, C], a fresh tensor: updated in place
+        x = r.model.embed(tokens).view(B * T, -1)  # [B*T, C], a fresh tensor: updated in place
 
         def add_to_x(site: int) -> dict:  # x += this linear's result (TP: pushed as `site`'s partial, see below)
             return {"push": tp.push(site)} if tp is not None else {"residual": x, "out": x}
@@ -603,25 +648,42 @@ class GraphCausalLM:
             q8 = self._fp8[i] if self._fp8 else {}
             mat = lambda name: q8.get(name, (getattr(w, name), None))  # noqa: E731 - (weight, float8 row scales)
             wqkv, s_qkv = mat("wqkv")
-            qkv = fl.fused_linear(x, wqkv, w.bqkv, norm_w=w.attn_norm, eps=eps, use_pdl=p, w_scale=s_qkv, **kw)
-            q = triton_rope_write(qkv.view(B, T, -1), r._cos, r._sin, pos, slots, k_cache, v_cache, a.n_heads,
-                                  use_pdl=p, q_norm=w.q_norm, k_norm=w.k_norm, eps=eps)
-            y = triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, window, use_pdl=p, sinks=sinks)
+            qkv = fl.fused_linear(x, wqkv, w.bqkv, norm_w=w.attn_norm, eps=eps, use_pdl=p, w_scale=s_qkv,
+                                  norm_offset=off, **kw)
+            cos_t, sin_t = (r._local_cos, r._local_sin) if w.local_rope else (r._cos, r._sin)
+            q = triton_rope_write(qkv.view(B, T, -1), cos_t, sin_t, pos, slots, k_cache, v_cache, a.n_heads,
+                                  use_pdl=p, q_norm=w.q_norm, k_norm=w.k_norm, eps=eps, norm_offset=off)
+            y = triton_slot_attention(q, k_cache, v_cache, slots, pos, S, self._scale,
+                                      window if stream is not None else w.window, use_pdl=p, sinks=sinks,
+                                      softcap=a.attn_softcap)
             wo, s_o = mat("wo")
-            fl.fused_linear_heads(y, T, wo, w.bo, use_pdl=p, w_scale=s_o, **add_to_x(2 * i), **kw)
-            if tp is not None:
-                tp.reduce_into(x, 2 * i, p)
+            if w.post_attn_norm is None:
+                fl.fused_linear_heads(y, T, wo, w.bo, use_pdl=p, w_scale=s_o, **add_to_x(2 * i), **kw)
+                if tp is not None:
+                    tp.reduce_into(x, 2 * i, p)
+            else:  # Gemma: the output row is normalised before it joins x (no tensor-parallel fused layer here)
+                o = fl.fused_linear_heads(y, T, wo, w.bo, use_pdl=p, w_scale=s_o, **kw)
+                fl.add_norm(x, o, w.post_attn_norm, eps, use_pdl=p)
             w13, s_13 = mat("w13")
             h = fl.fused_linear(x, w13, w.b13, norm_w=w.ffn_norm, eps=eps, gate=True, use_pdl=p, w_scale=s_13,
-                                **kw)
+                                norm_offset=off, act=a.activation, **kw)
             w2, s_2 = mat("w2")
-            fl.fused_linear(h, w2, w.b2, use_pdl=p, w_scale=s_2, **add_to_x(2 * i + 1), **kw)
-            if tp is not None:
-                tp.reduce_into(x, 2 * i + 1, p)
+            if w.post_ffn_norm is None:
+                fl.fused_linear(h, w2, w.b2, use_pdl=p, w_scale=s_2, **add_to_x(2 * i + 1), **kw)
+                if tp is not None:
+                    tp.reduce_into(x, 2 * i + 1, p)
+            else:
+                fl.add_norm(x, fl.fused_linear(h, w2, w.b2, use_pdl=p, w_scale=s_2, **kw), w.post_ffn_norm, eps,
+                            use_pdl=p)
         m = r.model
         w_out, s_out = self._fp8_out or (m.output.weight, None)
-        fl.fused_linear(x, w_out, norm_w=m.norm.weight, eps=eps, out=out.view(B * T, -1), use_pdl=p, w_scale=s_out,
-                        **kw)
+        if a.final_softcap is None:
+            fl.fused_linear(x, w_out, norm_w=m.norm.weight, eps=eps, out=out.view(B * T, -1), use_pdl=p,
+                            w_scale=s_out, norm_offset=off, **kw)
+        else:  # the cap in the model's dtype, as the eager `Transformer.logits`
+            logits = fl.fused_linear(x, w_out, norm_w=m.norm.weight, eps=eps, use_pdl=p, w_scale=s_out,
+                                     norm_offset=off, **kw)
+            out.view(B * T, -1).copy_(soft_cap(logits, a.final_softcap))
 
 
 def _input_views(block: torch.Tensor, Bmax: int, Tmax: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

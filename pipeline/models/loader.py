@@ -150,11 +150,15 @@ def _choice_line(folder: Path, config: dict[str, Any], reason: str | None, devic
         return f"{folder.name}: generic HF runner, not the fast path: {reason}"
     line = f"{folder.name}: fast path (model_type {model_type!r})"
     if torch.device(device).type == "cuda":
-        from pipeline.models.graphs import graph_path_reason
+        from pipeline.models.graphs import graph_features, graph_path_reason
         from pipeline.models.llama import LlamaArgs
 
-        graphs = graph_path_reason(LlamaArgs.from_hf(config))
-        line += "; CUDA graph path" if graphs is None else f"; eager on CUDA, {graphs}"
+        args = LlamaArgs.from_hf(config)
+        graphs, features = graph_path_reason(args), graph_features(args)
+        if graphs is not None:
+            line += f"; eager on CUDA, {graphs}"
+        else:  # what the captured graphs' kernels take on beyond Llama's layer
+            line += "; CUDA graph path" + (f" with {features}" if features else "")
     return line
 
 

@@ -27,6 +27,7 @@ def rope_split(
     q_norm: torch.Tensor | None = None,  # [D]: RMSNorm weight over each query head before RoPE (Qwen3); None: none
     k_norm: torch.Tensor | None = None,  # [D]: the same for the keys
     eps: float = 0.0,  # the q/k norms' epsilon
+    norm_offset: bool = False,  # the q/k norms scale by (1 + weight) (Gemma 3)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # q [B, Hkv, G*T, D]; k, v [B*T*Hkv, D]
     """Split the fused projection, (norm and) rotate q and k, stack the queries per KV head (pure: no cache
     write)."""
@@ -36,7 +37,7 @@ def rope_split(
     q, k, v = qkv.split([n_heads * D, n_kv_heads * D, n_kv_heads * D], dim=-1)
     q, k = q.reshape(B, T, n_heads, D), k.reshape(B, T, n_kv_heads, D)  # head h = j*G + g
     if q_norm is not None:
-        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+        q, k = rms_norm(q, q_norm, eps, norm_offset), rms_norm(k, k_norm, eps, norm_offset)
     q = apply_rope(q, cos, sin)  # [B, T, H, D]
     k = apply_rope(k, cos, sin)  # [B, T, Hkv, D]
     q = q.view(B, T, n_kv_heads, G, D).permute(0, 2, 3, 1, 4).reshape(B, n_kv_heads, G * T, D)
@@ -62,10 +63,11 @@ def torch_rope_write(
     q_norm: torch.Tensor | None = None,  # [D] q/k norm weights (Qwen3); None: none
     k_norm: torch.Tensor | None = None,
     eps: float = 0.0,
+    norm_offset: bool = False,  # the q/k norms scale by (1 + weight) (Gemma 3)
 ) -> torch.Tensor:  # [B, Hkv, G*T, D]
     _, Hkv, L, D = k_cache.shape
     q, k, v = rope_split(qkv, cos_table[pos].unsqueeze(2), sin_table[pos].unsqueeze(2), n_heads, Hkv, q_norm, k_norm,
-                         eps)
+                         eps, norm_offset)
     rows = cache_rows(slots, pos, Hkv, L)
     k_cache.view(-1, D).index_copy_(0, rows, k)
     v_cache.view(-1, D).index_copy_(0, rows, v)
@@ -76,7 +78,9 @@ def triton_rope_write(
     qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, use_pdl: bool = False,
     q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 0.0,
-) -> torch.Tensor:  # [B, Hkv, G*T, D]; torch_rope_write's signature (use_pdl: pipeline.models.pdl; q/k norms: Qwen3)
+    norm_offset: bool = False,
+) -> torch.Tensor:  # [B, Hkv, G*T, D]; torch_rope_write's signature (use_pdl: pipeline.models.pdl; q/k norms: Qwen3,
+    # Gemma 3)
     from pipeline.models import rope_write_triton as kern
     from pipeline.models.pdl import launch_kwargs
 
@@ -98,6 +102,6 @@ def triton_rope_write(
         T, float(eps), qkv2.stride(0), cos_table.stride(0), *pos.stride(),
         *k_cache.stride()[:3], *v_cache.stride()[:3], *q.stride()[:3],
         H=n_heads, HKV=Hkv, D=D, HALF_P=_pow2(D // 2), HEADS_P=_pow2(n_heads + Hkv), KV_P=_pow2(Hkv), D_P=_pow2(D),
-        USE_PDL=use_pdl, QK_NORM=q_norm is not None, num_warps=4, **launch_kwargs(use_pdl),
+        USE_PDL=use_pdl, QK_NORM=q_norm is not None, NORM_OFFSET=norm_offset, num_warps=4, **launch_kwargs(use_pdl),
     )
     return q

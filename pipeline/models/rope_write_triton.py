@@ -1,7 +1,8 @@
 """Triton kernel of `pipeline.models.rope_write` (imported lazily: this module needs triton).
 
 `rope_cache_write_kernel`: grid (B * T,). A program takes one token row of the fused q/k/v projection output,
-(RMS-normalises each query and key head first, where the model has q/k norms: Qwen3) rotates its query and key
+(RMS-normalises each query and key head first, where the model has q/k norms: Qwen3, and Gemma 3 with its
+(1 + weight) scale) rotates its query and key
 heads (RoPE, HF's rotate-half convention, float32 math, one rounding), writes the
 queries stacked per KV head (`q[b, h // G, (h % G) * T + t, :]`, the attention kernels' layout) and the
 rotated keys and the values into the row's slot of the cache at the token's position. It replaces the RoPE,
@@ -31,6 +32,7 @@ def rope_cache_write_kernel(
     D_P: tl.constexpr,  # >= D
     USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (pipeline.models.pdl)
     QK_NORM: tl.constexpr = False,  # RMSNorm over each q and k head (weights QN, KN [D]) before RoPE
+    NORM_OFFSET: tl.constexpr = False,  # with QK_NORM: scale by (1 + weight) in float32 (Gemma 3)
 ):
     r = tl.program_id(0)  # token row b * T + t
     if USE_PDL:
@@ -63,6 +65,11 @@ def rope_cache_write_kernel(
         wq2 = tl.load(QN + HALF + j, mask=j_ok, other=0.0).to(tl.float32)
         wk1 = tl.load(KN + j, mask=j_ok, other=0.0).to(tl.float32)
         wk2 = tl.load(KN + HALF + j, mask=j_ok, other=0.0).to(tl.float32)
+        if NORM_OFFSET:
+            wq1 += 1.0
+            wq2 += 1.0
+            wk1 += 1.0
+            wk2 += 1.0
         x1 = x1 * inv[:, None] * tl.where(is_q[:, None], wq1[None, :], wk1[None, :])
         x2 = x2 * inv[:, None] * tl.where(is_q[:, None], wq2[None, :], wk2[None, :])
     o1 = x1 * c1[None, :] - x2 * s1[None, :]  # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1)

@@ -39,6 +39,11 @@ SHAPES["llama-1b-v32k"] = replace(SHAPES["llama-1b"], vocab_size=32768)
 _GEMMA2 = dict(model_type="gemma2", vocab_size=256000, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
                attn_logit_softcapping=50.0, final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh",
                rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=8192, tie_word_embeddings=True)
+_GEMMA3 = dict(model_type="gemma3_text", vocab_size=262208, head_dim=256, query_pre_attn_scalar=256,
+               sliding_window=1024, sliding_window_pattern=6, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+               rope_scaling={"rope_type": "linear", "factor": 8.0}, hidden_activation="gelu_pytorch_tanh",
+               rms_norm_eps=1e-6, max_position_embeddings=131072, final_logit_softcapping=None,
+               attn_logit_softcapping=None, tie_word_embeddings=True)
 _FAMILY_CONFIGS = {
     # Gemma2-2B: 2.61B parameters (tied embeddings), 5.23 GB in bf16; GeGLU, sandwich norms, soft-capped attention
     # and final logits, sliding window 4096 on every other layer (the even ones).
@@ -47,6 +52,13 @@ _FAMILY_CONFIGS = {
     # Gemma2-9B: 9.24B parameters (tied embeddings), 18.48 GB in bf16.
     "gemma2-9b": dict(_GEMMA2, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
                       num_attention_heads=16, num_key_value_heads=8),
+    # Gemma3-4B (the text model): 3.88B parameters (tied embeddings), 7.76 GB in bf16; q/k norms, five sliding
+    # layers (window 1024, RoPE base 10k) to a global one (base 1M, linear scaling x8), no soft-capping.
+    "gemma3-4b": dict(_GEMMA3, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+                      num_attention_heads=8, num_key_value_heads=4),
+    # Gemma3-12B (the text model): 11.77B parameters (tied embeddings), 23.5 GB in bf16.
+    "gemma3-12b": dict(_GEMMA3, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+                       num_attention_heads=16, num_key_value_heads=8),
     # Qwen3-8B: 8.19B parameters (untied embeddings), 16.38 GB in bf16; RMSNorm over each query and key head.
     "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                      num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.models.base import ModelInfo, warmup
-from pipeline.models.families import Family
+from pipeline.models.families import ACTIVATIONS, Family
 from pipeline.models.llama import LlamaArgs, LlamaCausalLM, Transformer, hf_to_local, safetensors_files
 
 log = logging.getLogger(__name__)
@@ -639,7 +639,10 @@ def tensor_parallel_graphs(runner: LlamaCausalLM, config: Any = None, allreduce:
     # call.
     if allreduce == "fused" and not g.fused_layer:
         raise ValueError("allreduce='fused' needs the fused layer: a CUDA model in bf16/fp16 with the Triton attention")
-    fused = allreduce == "fused" or (allreduce == "auto" and g.fused_layer and plan.world_size in FUSED_AUTO_RANKS)
+    if allreduce == "fused" and runner.args.family.sandwich_norms:
+        raise ValueError("allreduce='fused' has no norms after attention and MLP (Gemma): use nccl, symm or auto")
+    fused = allreduce == "fused" or (allreduce == "auto" and g.fused_layer and plan.world_size in FUSED_AUTO_RANKS
+                                     and not runner.args.family.sandwich_norms)
     if fused:
         try:
             g._tp_sites = setup_fused_allreduce(group, runner.device, fl.LAYER_MAX_ROWS, runner.args.dim,
@@ -661,9 +664,9 @@ def tensor_parallel_graphs(runner: LlamaCausalLM, config: Any = None, allreduce:
         y = y.view(B, Hkv, GT // T, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, -1)
         return linear(y, wo, bo, lk)  # [B, T, C] partial sum
 
-    def mlp(x, norm_w, w13, b13, w2, b2, eps: float, lk: str) -> torch.Tensor:
-        gate, up = linear(graphs.rms_norm(x, norm_w, eps), w13, b13, lk).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, w2, b2, lk)  # [B, T, C] partial sum
+    def mlp(x, norm_w, w13, b13, w2, b2, eps: float, lk: str, act: str = "silu", offset: bool = False) -> torch.Tensor:
+        gate, up = linear(graphs.rms_norm(x, norm_w, eps, offset), w13, b13, lk).chunk(2, dim=-1)
+        return linear(ACTIVATIONS[act](gate) * up, w2, b2, lk)  # [B, T, C] partial sum
 
     if g._attn_in is not graphs.attn_in:  # the wrapper compiles its pointwise work: compile ours too
         attn_proj, mlp = (torch.compile(f, fullgraph=True) for f in (attn_proj, mlp))
@@ -671,9 +674,12 @@ def tensor_parallel_graphs(runner: LlamaCausalLM, config: Any = None, allreduce:
     reduce, kind = make_reducer("auto" if allreduce == "fused" else allreduce, group, runner.device, runner.dtype)
     g.allreduce = "fused" if fused else kind  # calls the fused layer does not take (past 16 rows) use `kind`
 
-    def attn_out_mlp(x, y, wo, bo, norm_w, w13, b13, w2, b2, eps, lk: str = "torch"):  # [B, T, C]
-        x = x + reduce(attn_proj(y, wo, bo, x.shape[1], lk))
-        return x + reduce(mlp(x, norm_w, w13, b13, w2, b2, eps, lk))
+    def attn_out_mlp(x, y, wo, bo, norm_w, w13, b13, w2, b2, eps, lk: str = "torch", post_attn_norm=None,
+                     post_ffn_norm=None, act: str = "silu", offset: bool = False):  # [B, T, C]; graphs.attn_out_mlp
+        o = reduce(attn_proj(y, wo, bo, x.shape[1], lk))
+        x = x + (o if post_attn_norm is None else graphs.rms_norm(o, post_attn_norm, eps, offset))
+        h = reduce(mlp(x, norm_w, w13, b13, w2, b2, eps, lk, act, offset))
+        return x + (h if post_ffn_norm is None else graphs.rms_norm(h, post_ffn_norm, eps, offset))
 
     assert hasattr(g, "_attn_out_mlp"), "graphs.GraphCausalLM changed: update tensor_parallel_graphs"
     g._attn_out_mlp = attn_out_mlp

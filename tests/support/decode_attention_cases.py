@@ -7,7 +7,8 @@ module runs this file as `TRITON_INTERPRET=1 python tests/support/decode_attenti
 Each case compares `triton_slot_attention` with the reference (`sdpa_slot_attention` in float32 over the same,
 upcast inputs) on a cache with several slots: rows in arbitrary slot order, ragged positions, padding rows
 pointing at a scratch slot at position 0, T in {1, 5}, G in {1, 3, 4}, window on/off (with attention sinks: a
-(window, sinks) pair), S not a multiple of the chunk, forced split counts. The 'graph-*' cases run a tiny model's
+(window, sinks) pair), attention logit soft-capping (Gemma 2), S not a multiple of the chunk, forced split
+counts. The 'graph-*' cases run a tiny model's
 static path with attention='triton' against attention='sdpa' and the eager runner ('graph-stream': the
 self-speculation drafter's StreamingLLM window, `forward(..., stream=)`).
 """
@@ -43,6 +44,9 @@ KERNEL_CASES = [
     ("f32-D64-G4-T5-sinks", "float32", 64, 4, 5, 333, (37, 4), None, 4),
     ("bf16-D128-G4-T1-sinks-split4", "bfloat16", 128, 4, 1, 2048, (64, 4), 4, 4, 600),
     ("f32-D64-G3-T5-sinks-wide", "float32", 64, 3, 5, 200, (20, 90), 3, 4),  # sinks reach into some windows
+    # Gemma 2's logit soft-capping (a cap of 2 against logits of about 4), with and without a window
+    ("f32-D64-G4-T5-win-softcap-split3", "float32", 64, 4, 5, 333, 37, 3, 4, None, 2.0),
+    ("bf16-D128-G2-T1-softcap", "bfloat16", 128, 2, 1, 200, None, None, 3, None, 2.0),
 ]
 GRAPH_CASES = ["graph-gqa", "graph-window", "graph-stream"]
 # Max error relative to the largest output value. bf16: the interpreter rounds bf16 by truncation (the GPU to
@@ -51,7 +55,7 @@ TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 3e-3}
 
 
 def kernel_case(torch, da, dtype_name: str, D: int, G: int, T: int, S: int, window, num_splits, B: int,
-                longest: int | None = None) -> dict:
+                longest: int | None = None, softcap: float | None = None) -> dict:
     dtype = getattr(torch, dtype_name)
     window, sinks = window if isinstance(window, tuple) else (window, 0)
     g = torch.Generator().manual_seed(D * 1000 + G * 100 + T * 10 + S)
@@ -63,20 +67,24 @@ def kernel_case(torch, da, dtype_name: str, D: int, G: int, T: int, S: int, wind
     starts = torch.tensor([top, 0, top // 3, 7, top - 1][: B - 1] + [0])
     pos = starts[:, None] + torch.arange(T)  # [B, T]
     q = torch.randn(B, G * T, Hkv, D, generator=g).to(dtype).transpose(1, 2)  # non-contiguous [B, Hkv, G*T, D]
-    scale = D ** -0.5
+    scale = D ** -0.5 * (4.0 if softcap else 1.0)  # soft-capped: logits of about 4, so that the cap matters
     got = da.triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, window, num_splits=num_splits,
-                                   sinks=sinks)
+                                   sinks=sinks, softcap=softcap)
     want = da.sdpa_slot_attention(q.float(), k_cache.float(), v_cache.float(), slots, pos, S, scale, window,
-                                  sinks=sinks)
+                                  sinks=sinks, softcap=softcap)
     assert got.shape == want.shape and got.dtype == dtype, (got.shape, want.shape, got.dtype)
     err = float((got.float() - want).abs().max() / want.abs().max())
     # The reference itself in the low dtype: its own rounding error, for scale.
-    low = da.sdpa_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, window, sinks=sinks)
+    low = da.sdpa_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, window, sinks=sinks, softcap=softcap)
     ref_err = float((low.float() - want).abs().max() / want.abs().max())
     ok = bool(torch.isfinite(got).all())
     if window is not None:  # the window is really exercised: without it the answer is far off
-        unwindowed = da.triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, None, num_splits=num_splits)
+        unwindowed = da.triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, None, num_splits=num_splits,
+                                              softcap=softcap)
         ok &= float((unwindowed.float() - want).abs().max() / want.abs().max()) > 10 * TOL[dtype_name]
+    if softcap:  # the cap really changes the answer
+        uncapped = da.triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, window, num_splits=num_splits)
+        ok &= float((uncapped.float() - want).abs().max() / want.abs().max()) > 10 * TOL[dtype_name]
     if sinks:  # the sinks are really read: without them the answer is far off
         sinkless = da.triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, window, num_splits=num_splits)
         ok &= float((sinkless.float() - want).abs().max() / want.abs().max()) > 10 * TOL[dtype_name]

@@ -30,6 +30,7 @@ ROPE_CASES = [
     ("f16-mqa-T2", 1, 2, 8, 1, 128, "float16"),
     ("f32-D24", 2, 2, 4, 2, 24, "float32"),
     ("bf16-qk-norm-T3", 2, 3, 4, 2, 32, "bfloat16", True),  # Qwen3's q/k RMSNorm before RoPE
+    ("bf16-qk-norm-offset-T2", 3, 2, 4, 2, 32, "bfloat16", "offset"),  # Gemma 3's: scaled by (1 + weight)
 ]
 GRAPH_CASES = ["graph-linear-triton"]
 # (id, mode, M, N, K, bias): the fused linear (pipeline.models.fused_linear) against the eager math it replaces
@@ -42,11 +43,27 @@ FUSED_CASES = [
     ("fused-logits-f32-M40-pad64", "logits", 40, 130, 64, False),
     ("fused-fp8-gate-norm-M2", "fp8-gate", 2, 40, 128, True),
     ("fused-fp8-heads-residual-T3", "fp8-heads", 6, 24, 96, False),
+    # Gemma: the (1 + weight) norm and GeGLU's tanh GELU (one row: the CUDA-core product), and `add_norm`
+    ("fused-gemma-gate-M1", "gemma-gate", 1, 24, 128, False),
+    ("fused-gemma-gate-bias-M3-ragged-k", "gemma-gate", 3, 24, 100, True),
+    ("fused-add-norm-M5", "add-norm", 5, 72, 72, False),
 ]
 PRELOAD_CASES = ["fused-preload-bit-identical"]
 GEMV_CASES = ["fused-gemv-one-row", "fused-gemv-fp8-widen-bits"]
 FUSED_GRAPH_CASES = ["graph-fused-layer-bf16", "graph-fused-layer-bias-window-bf16", "graph-fused-layer-fp8",
-                     "graph-fused-layer-qk-norm-bf16"]
+                     "graph-fused-layer-qk-norm-bf16", "graph-fused-layer-gemma2-bf16", "graph-fused-layer-gemma3-bf16"]
+# Tiny Gemma configs for the fused layer (config.json keys, read as a checkpoint's are): a sliding layer (window 8:
+# the calls run past it), then a global one; caps small enough to change the logits; Gemma 3's sliding layer has
+# its own RoPE base and its global layer linear scaling.
+_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+             layer_types=["sliding_attention", "full_attention"])
+TINY_GEMMA = {
+    "gemma2": dict(_TINY, model_type="gemma2", attn_logit_softcapping=1.0, final_logit_softcapping=2.0),
+    "gemma3": dict(_TINY, model_type="gemma3_text", rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}}),
+}
 # (id, ranks, rows): the tensor-parallel fused all-reduce (pipeline.models.tp_fused), ranks simulated in one process
 TP_FUSED_CASES = [("tp-fused-2-ranks", 2, 1), ("tp-fused-3-ranks-5-rows", 3, 5)]
 TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 3e-3}
@@ -86,7 +103,7 @@ def linear_case(torch, sl, M, N, K, dtype_name, bias, block_n, block_k, splits, 
     return {"err": err, "tol": TOL[dtype_name], "ok": bool(torch.isfinite(got).all())}
 
 
-def rope_case(torch, rw, B, T, H, Hkv, D, dtype_name, qk_norm: bool = False) -> dict:
+def rope_case(torch, rw, B, T, H, Hkv, D, dtype_name, qk_norm: bool | str = False) -> dict:
     from pipeline.models.llama import rope_inv_freq
 
     dtype = getattr(torch, dtype_name)
@@ -105,10 +122,12 @@ def rope_case(torch, rw, B, T, H, Hkv, D, dtype_name, qk_norm: bool = False) -> 
     norms = {}
     if qk_norm:  # the reference norms in float32 from the same weights; scaled rows so the norm matters
         qkv = (qkv.float() * (1 + 3 * torch.rand(B, T, 1, generator=g))).to(dtype)
-        norms = {"q_norm": (1 + 0.5 * torch.randn(D, generator=g)).to(dtype),
-                 "k_norm": (1 + 0.5 * torch.randn(D, generator=g)).to(dtype), "eps": 1e-6}
+        offset = qk_norm == "offset"  # Gemma's (1 + weight) norms: weights near 0
+        norms = {"q_norm": (float(not offset) + 0.5 * torch.randn(D, generator=g)).to(dtype),
+                 "k_norm": (float(not offset) + 0.5 * torch.randn(D, generator=g)).to(dtype), "eps": 1e-6,
+                 "norm_offset": offset}
     want = rw.torch_rope_write(qkv.float(), cos.float(), sin.float(), pos, slots, *up, H,
-                               **{k: v.float() if k != "eps" else v for k, v in norms.items()})
+                               **{k: v.float() if isinstance(v, torch.Tensor) else v for k, v in norms.items()})
     got = rw.triton_rope_write(qkv, cos, sin, pos, slots, *caches["tri"], H, **norms)
     scale = float(want.abs().max())
     err = max(float((got.float() - want).abs().max()) / scale,
@@ -248,6 +267,17 @@ def _fused_run(torch, fl, mode, M, N, K, bias, **kw):
         got = fl.fused_linear(x, w, b, norm_w=nw, eps=1e-5, gate=True, **kw)
         gate, up = F.linear(rms_norm(x, nw, 1e-5), w, b).chunk(2, dim=-1)
         want = F.silu(gate) * up
+    elif mode == "gemma-gate":  # Gemma's norm weights sit near 0: the norm scales by (1 + weight)
+        nw = (0.1 * torch.randn(K, generator=g)).to(bf)
+        got = fl.fused_linear(x, w, b, norm_w=nw, eps=1e-6, gate=True, norm_offset=True, act="gelu_pytorch_tanh",
+                              **kw)
+        gate, up = F.linear(rms_norm(x, nw, 1e-6, True), w, b).chunk(2, dim=-1)
+        want = F.gelu(gate, approximate="tanh") * up
+    elif mode == "add-norm":  # x += rms_norm(y) * (1 + weight)
+        nw = (0.1 * torch.randn(N, generator=g)).to(bf)
+        y, res = torch.randn(M, N, generator=g).to(bf), torch.randn(M, N, generator=g).to(bf)
+        got = fl.add_norm(res.clone(), y, nw, 1e-6)
+        want = res + rms_norm(y, nw, 1e-6, True)
     elif mode == "residual":
         res = torch.randn(M, N, generator=g).to(bf)
         got = res.clone()
@@ -370,6 +400,7 @@ def fused_graph_case(torch, case: str) -> dict:
     otherwise) and the eager runner: logits within bf16 tolerance of the largest logit, the fused layer used.
     fp8: weights that float8 holds exactly; the float8 layer must then give the bf16 fused layer's logits."""
     from pipeline.models.graphs import GraphCausalLM, GraphConfig
+    from pipeline.models.llama import LlamaArgs
     from pipeline.models.shapes import SHAPES, random_llama
     from tests.support.decode_attention_cases import compare_static_paths
 
@@ -380,6 +411,9 @@ def fused_graph_case(torch, case: str) -> dict:
     base = SHAPES["qwen3-8b"] if case.endswith("qk-norm-bf16") else SHAPES["llama-1b"]
     args = replace(base, dim=64, n_layers=1 if fp8 else 2, n_heads=4, n_kv_heads=2, head_dim=16,
                    intermediate_size=128, vocab_size=128, sliding_window=8 if bias_window else None)
+    gemma = next((f for f in TINY_GEMMA if f"-{f}-" in case), None)
+    if gemma is not None:  # Gemma 2 / 3: every family feature of the fused layer (pipeline.models.families)
+        args = LlamaArgs.from_hf(TINY_GEMMA[gemma])
     cfg = GraphConfig(graphs=False, compile=False, batch_buckets=(1, 2, 4), token_buckets=(1, 2, 4, 8), kv_block=16,
                       attention="triton", linear="torch", fused_rope=True)
 
@@ -411,10 +445,17 @@ def fused_graph_case(torch, case: str) -> dict:
     }
     # Logits of magnitude 1-3. The interpreter's bf16 dots are coarser than the GPU's: the unfused path with the
     # Triton linears is itself 0.08 from the eager runner here. Negative controls (a wrong norm epsilon in the
-    # MLP, swapped attention heads) land at 1.7 and 5.1.
-    err, _ = compare_static_paths(torch, models, "fused", ("unfused", "eager"))
+    # MLP, swapped attention heads) land at 1.7 and 5.1. Gemma: against the eager runner only (the interpreter's
+    # time; the unfused static path is tests/pipeline/models/test_families.py's): 0.05 from it; negative controls
+    # (the fused layer without the attention or final soft-cap, SiLU for GeGLU, no windows, one RoPE base, weight
+    # for (1 + weight) norms) land at 0.5-5.3.
+    if gemma is not None:
+        del models["unfused"]
+    err, _ = compare_static_paths(torch, models, "fused", ("eager",) if gemma else ("unfused", "eager"))
     used = models["fused"].stats.fused_runs
-    return {"err": err, "tol": 0.25, "ok": used >= 3 and models["unfused"].stats.fused_runs == 0, "fused_runs": used}
+    unfused = models.get("unfused")
+    return {"err": err, "tol": 0.25, "ok": used >= 3 and (unfused is None or unfused.stats.fused_runs == 0),
+            "fused_runs": used}
 
 
 def graph_case(torch) -> dict:

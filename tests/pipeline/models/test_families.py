@@ -139,8 +139,8 @@ def test_which_runner_and_why_in_one_line(family_dir, caplog):
         line = runner_choice(family_dir(family))
         assert "fast path" in line and "\n" not in line, line
     gemma3 = runner_choice(family_dir("gemma3"), "cuda")  # reads config.json only: no GPU needed
-    assert "eager on CUDA" in gemma3 and "(1 + weight) norms" in gemma3 and "per-layer sliding windows" in gemma3
-    assert runner_choice(family_dir("qwen3"), "cuda").endswith("; CUDA graph path")
+    assert "; CUDA graph path with " in gemma3 and "(1 + weight) norms" in gemma3 and "per-layer RoPE bases" in gemma3
+    assert runner_choice(family_dir("qwen3"), "cuda").endswith("; CUDA graph path with q/k norms")
     generic = family_dir("gemma2", safetensors=False)
     assert runner_choice(generic) == f"{generic.name}: generic HF runner, not the fast path: no *.safetensors weights"
     with caplog.at_level("INFO", logger="pipeline.models.loader"):
@@ -148,24 +148,25 @@ def test_which_runner_and_why_in_one_line(family_dir, caplog):
     assert any(r.getMessage() == runner_choice(family_dir("qwen3")) for r in caplog.records)
 
 
-def test_graph_path_refuses_the_families_it_lacks_with_the_reason(family_dir):
-    from pipeline.models.graphs import GraphCausalLM, GraphConfig, graph_path_reason, maybe_graphs
+def test_graph_path_takes_every_family_and_says_what_it_computes(family_dir):
+    from pipeline.models.graphs import GraphCausalLM, graph_features, graph_path_reason, maybe_graphs
 
     runner, _ = load_model(family_dir("gemma2"))
-    assert graph_path_reason(runner.args) == (
-        "the graph path has no (1 + weight) norms, post-attention/MLP norms, scaled embeddings, a gelu_pytorch_tanh "
-        "MLP, query_pre_attn_scalar, attention soft-capping, final logit soft-capping, per-layer sliding windows")
-    with pytest.raises(ValueError, match="soft-capping"):
-        GraphCausalLM(runner, GraphConfig(graphs=False, compile=False))
-    assert maybe_graphs(runner) is runner  # the eager fast path, said once in the log
+    assert graph_path_reason(runner.args) is None
+    assert graph_features(runner.args) == (
+        "(1 + weight) norms, post-attention/MLP norms, scaled embeddings, GeGLU, attention soft-capping, "
+        "final logit soft-capping, per-layer sliding windows")
+    assert isinstance(maybe_graphs(runner), GraphCausalLM)
 
 
-def test_qwen3_static_path_equals_eager(family_dir):
-    """Qwen3 on the static-shape path with the SDPA attention (its q/k norms in `attn_in`), uncaptured on
-    CPU: ragged rows padded to buckets, past the window-sized contexts, equal the eager runner row by row."""
+@pytest.mark.parametrize("family", FAMILIES)
+def test_static_path_equals_eager(family_dir, family):
+    """Each family on the static-shape path with the SDPA attention (q/k norms in `attn_in`; Gemma's (1 + w)
+    norms, post-attention/MLP norms, GeGLU, soft-capping and per-layer windows and RoPE bases in the layer math),
+    uncaptured on CPU: ragged rows padded to buckets, past the window (16), equal the eager runner row by row."""
     from pipeline.models.graphs import GraphCausalLM, GraphConfig
 
-    path = family_dir("qwen3")
+    path = family_dir(family)
     static = GraphConfig(graphs=False, compile=False, batch_buckets=(1, 2, 4), token_buckets=(1, 2, 4, 8), kv_block=16)
     graph, _ = load_model(path)
     graph = GraphCausalLM(graph, static)
@@ -221,7 +222,7 @@ def test_config_parsing_of_the_families():
 
 def test_tp2_equals_tp1(family_dir, tmp_path):
     """Two CPU ranks (gloo) against the single-process runner: logits to float32 summation order, the same greedy
-    tokens; the static-shape TP path (uncaptured on CPU) for Qwen3, the eager sharded runner for Gemma."""
+    tokens; the static-shape TP path (uncaptured on CPU) too, for every family."""
     from tests.support.tp import MAX_LEN, SLOTS, script, spawn, wait_file
 
     paths = {family: str(family_dir(family)) for family in FAMILIES}
@@ -244,10 +245,9 @@ def test_tp2_equals_tp1(family_dir, tmp_path):
             assert diff < 1e-5, f"{family} {key}: max |TP2 - TP1| = {diff:.2e}"
         assert got[family]["greedy"].tolist() == want["greedy"].tolist(), family
         assert got[family]["num_parameters"] == runner.info.num_parameters
-        assert got[family]["graphs_refused"] == family.startswith("gemma")
-        if family == "qwen3":
-            assert got[family]["graphs"]["greedy"].tolist() == want["greedy"].tolist()
-            assert (got[family]["graphs"]["verify"] - want["verify"]).abs().max() < 1e-5
+        assert not got[family]["graphs_refused"]
+        assert got[family]["graphs"]["greedy"].tolist() == want["greedy"].tolist(), family
+        assert (got[family]["graphs"]["verify"] - want["verify"]).abs().max() < 1e-5, family
 
 
 def test_specserve_generate_says_which_runner_and_matches_hf(family_dir, tmp_path, capsys):

@@ -10,7 +10,9 @@ fp16), the fused RoPE/cache write against the reference (GQA, MHA, MQA, T = 1..5
 write outside the rows' positions), a tiny model's static path with every kernel on against the
 reference path and the eager runner, and the fused layer (`pipeline.models.fused_linear`: RMSNorm prologue,
 SiLU-gate and residual epilogues, the attention-heads input layout, float32 logits; then a tiny bf16 model,
-with q/k/v biases and a sliding window too) against the eager math. The GPU timings are ops/check_skinny_linear.py.
+with q/k/v biases and a sliding window too, with Qwen3's q/k norms, and tiny Gemma 2 and Gemma 3 models: (1 + w)
+norms, post norms (`add_norm`), GeGLU, soft-capping, per-layer windows and RoPE bases) against the eager math.
+The GPU timings are ops/check_skinny_linear.py.
 """
 
 from __future__ import annotations
