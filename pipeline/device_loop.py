@@ -135,7 +135,7 @@ class DeviceLoop:
             self.depth = k if head.depth is None else min(k, head.depth)
             # EAGLE-3's attention reads the whole slot where the step is captured (shapes independent of the
             # positions), else up to the last position (one host read, as `HeadDrafter` does)
-            self._span = head.head.max_len if device_resident(target) else None
+            self._span = head.head.max_len if head.eagle and device_resident(target) else None
         resident = device_resident(target) and (drafter is None or device_resident(drafter))
         self.capture = (resident and dev.type == "cuda") if capture is None else capture
         if self.capture and not (resident and dev.type == "cuda"):

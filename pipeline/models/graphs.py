@@ -318,7 +318,8 @@ class GraphCausalLM:
         self._bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._outs: dict[tuple[int, int], torch.Tensor] = {}  # (Bb, Tb) -> static logits, shared by every Sb
         self._static_outs: dict[tuple, torch.Tensor] = {}  # (B, T) -> logits of `forward_static`; (B, T, layers) ->
-        self._taps: dict[int, torch.Tensor] | None = None  # its features (`forward_static_features`), while it runs
+        self._taps: list[tuple[int, torch.Tensor]] | None = None  # its features (`forward_static_features`), while
+        # it runs: (layer, the view of the buffer it goes to)
         if runner.num_slots > 0:
             self.allocate(runner.num_slots, runner.max_len)
 
@@ -443,7 +444,7 @@ class GraphCausalLM:
         if feats is None:
             feats = self._static_outs[(B, T, layers)] = torch.empty(B, T, len(layers) * C, device=self.device,
                                                                      dtype=self.dtype)
-        self._taps = {layer: feats[..., j * C:(j + 1) * C] for j, layer in enumerate(layers)}
+        self._taps = [(layer, feats[..., j * C:(j + 1) * C]) for j, layer in enumerate(layers)]  # a layer may repeat
         try:
             logits = self.forward_static(tokens, positions, slots)
         finally:
@@ -453,11 +454,11 @@ class GraphCausalLM:
     def _tap(self, i: int, x: torch.Tensor, B: int, T: int) -> None:
         """Inside a forward for `forward_static_features`: keep the residual stream x entering layer i (i =
         n_layers: the last layer's output; after it, the final normed state as `FINAL_NORMED`)."""
-        taps = self._taps
-        if taps and i in taps:
-            taps[i].copy_(x.view(B, T, -1))
-        if taps and i == self.args.n_layers and FINAL_NORMED in taps:
-            taps[FINAL_NORMED].copy_(self.runner.model.norm(x.view(B, T, -1)))
+        for layer, out in self._taps or ():
+            if layer == i:
+                out.copy_(x.view(B, T, -1))
+            elif layer == FINAL_NORMED and i == self.args.n_layers:
+                out.copy_(self.runner.model.norm(x.view(B, T, -1)))
 
     def _result(self, logits: torch.Tensor) -> torch.Tensor:
         """What `forward` returns for a view of a graph's static logits: a copy (the next replay overwrites them).
