@@ -99,6 +99,7 @@ class DeviceLoop:
             raise ValueError(f"a device loop drafts K > 0 tokens exactly when it has one draft model or head (K = {k})")
         self.target, self.drafter, self.k, self.top_k = target, drafter, k, draft_top_k
         self.head = head
+        self.depth = k  # most drafts a row verifies a step (Medusa: at most its number of heads)
         self.device = dev = torch.device(getattr(target, "device", "cpu"))
         self.B = B = batch
         self.sampling = SamplingTensors(*(t.clone().to(dev) for t in (sampling.temperature, sampling.top_k,

@@ -317,7 +317,7 @@ class SpeculativeEngine:
                 for b, state in enumerate(states):
                     if state.finished:
                         continue
-                    committed, text = commit(state, Verdict(loop.k, num_accepted[b], emitted[b]))
+                    committed, text = commit(state, Verdict(loop.depth, num_accepted[b], emitted[b]))
                     if state.finished:
                         done.append(b)
                     yield StreamEvent(state.request_id, committed, text, state.finished,
