@@ -94,6 +94,8 @@ class DeviceLoop:
         overrides: Overrides | None = None,  # a synthetic drafter's (a measurement aid); `start` loads each batch's
         capture: bool | None = None,  # one CUDA graph per step; None: when both models are device-resident
         head: HeadDrafter | None = None,  # a feature head instead of a draft model (its weights on the target's device)
+        head_span: int | None = None,  # EAGLE-3 captured: cache positions its attention reads (past every query the
+        # batch can reach); None: its whole cache
     ) -> None:
         if k < 0 or (k > 0) != (drafter is not None or head is not None) or (drafter is not None and head is not None):
             raise ValueError(f"a device loop drafts K > 0 tokens exactly when it has one draft model or head (K = {k})")
@@ -136,7 +138,9 @@ class DeviceLoop:
             self.depth = k if head.depth is None else min(k, head.depth)
             # EAGLE-3's attention reads the whole slot where the step is captured (shapes independent of the
             # positions), else up to the last position (one host read, as `HeadDrafter` does)
-            self._span = head.head.max_len if head.eagle and device_resident(target) else None
+            self._span = None
+            if head.eagle and device_resident(target):
+                self._span = min(head_span or head.head.max_len, head.head.max_len)
         resident = device_resident(target) and (drafter is None or device_resident(drafter))
         self.capture = (resident and dev.type == "cuda") if capture is None else capture
         if self.capture and not (resident and dev.type == "cuda"):

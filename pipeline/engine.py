@@ -347,15 +347,18 @@ class SpeculativeEngine:
             d_slots = [drafter._slot(s.request_id, {s.request_id for s in states}) for s in states]
             if hasattr(drafter, "loop_overrides"):  # a synthetic-acceptance drafter: its proposals are the batch's
                 overrides = drafter.loop_overrides(states, device)
+        span = None
         if head is not None and k:  # the pairs the head has not read: the loop's first catch-up
             pairs = head.pending_pairs([s.request_id for s in states], k + 1, self.target.dtype)
+            if head.eagle and device_resident(self.target):
+                span = head_span(states, k)
         key = (len(states), k, spec.draft_top_k, sampling.all_greedy, sampling.any_greedy, sampling.needs_truncation,
-               overrides is not None)
+               overrides is not None, span)
         loop = self._loops.get(key)
         if loop is None:
             loop = self._loops[key] = DeviceLoop(
                 self.target, len(states), sampling, k, None if drafter is None else drafter.model, spec.draft_top_k,
-                None if drafter is None else drafter._out_ids, overrides, head=head if k else None)
+                None if drafter is None else drafter._out_ids, overrides, head=head if k else None, head_span=span)
         loop.start([s.context for s in states], [s.step for s in states], [s.remaining for s in states], slots,
                    d_slots, sampling, overrides, pairs)
         return loop
@@ -459,6 +462,14 @@ class SpeculativeEngine:
             seed=int(state.params.seed),
             stats=state.stats.summary(),
         )
+
+
+def head_span(states: Sequence[RequestState], k: int) -> int:
+    """The cache positions a captured EAGLE-3 step attends over for this batch: past every position its queries
+    can reach (a row's context and remaining tokens, a step run past its end, K+1 catch-up and K drafts), as a power
+    of two from 256, so a few graphs serve every batch."""
+    reach = max(len(s.context) + s.remaining for s in states) + 4 * k + 8
+    return max(256, 1 << (reach - 1).bit_length())
 
 
 def _head_drafter(drafter: Drafter | None):  # -> pipeline.heads.drafter.HeadDrafter | None
