@@ -28,7 +28,8 @@ keeps them with the emitted tokens as the next step's pairs (feature of position
 count accepted + 1. Medusa drafts from the last valid column's final normed state in one pass. EAGLE-3 reads all
 K+1 columns into its slot-indexed cache (columns past the accepted ones write positions that its drafts and the next
 catch-up overwrite before any query reads them), then drafts on from the last valid one; captured, its attention
-reads the whole slot under a mask (`Eagle3Head.step(span=)`), so no shape depends on a position.
+reads a fixed span of its slot under a mask (`Eagle3Head.step(span=)`; `pipeline.engine.head_span`: a power of two
+past every position the batch can reach), so no shape depends on a position.
 """
 
 from __future__ import annotations
