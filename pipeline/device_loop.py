@@ -137,8 +137,8 @@ class DeviceLoop:
                                       device=dev)
             self.h_start, self.h_last = zeros(B), zeros(B)
             self.depth = k if head.depth is None else min(k, head.depth)
-            # EAGLE-3's attention reads the whole slot where the step is captured (shapes independent of the
-            # positions), else up to the last position (one host read, as `HeadDrafter` does)
+            # EAGLE-3's attention reads a fixed span of its slot where the step is captured (shapes independent of
+            # the positions), else up to the last position (one host read, as `HeadDrafter` does)
             self._span = None
             if head.eagle and device_resident(target):
                 self._span = min(head_span or head.head.max_len, head.head.max_len)
