@@ -3,6 +3,7 @@ critical path, tokens/s and efficiency against the ideal step, one table.
 
     python -m ops.bench_device_loop --target llama-8b --draft llama-1b --alpha 0.8 --dtype bfloat16 --batches 1,32
     python -m ops.bench_device_loop --target demo --draft demo --dtype float32 --batches 1   # real weights
+    python -m ops.bench_device_loop --target demo --draft eagle3:DIR --dtype float32 --batches 1,8  # a feature head
     python -m ops.bench_device_loop --device cpu --target tiny --draft tiny --max-tokens 16  # a dry run
 
 For each batch size, the same prompts run four ways, each after an untimed warm-up run of the same shape (graph
@@ -13,9 +14,13 @@ ignored. A run's step time is the wall time between its first and its last strea
 - `--target` a shape of `pipeline.models.shapes` (random weights) or `demo` (the demo target, real weights; its
   GGUF joined from `--gguf-parts` on a machine without it). `--draft` a shape (random weights: with `--alpha`, a
   synthetic-acceptance drafter, `pipeline.synthetic`, whose proposals are the target's recorded greedy output kept
-  with probability alpha: figures labelled synthetic acceptance) or `demo` (the shipped distilled drafter).
+  with probability alpha: figures labelled synthetic acceptance), `demo` (the shipped distilled drafter), or a
+  feature head as the CLI names it, `eagle3:DIR` / `medusa:DIR` (on the target's states; `--draft eagle3:random` /
+  `medusa:random`: random weights of the target's shape, for a dry run).
 - Forward costs, GPU time (20 calls captured as one graph): target decode (B x 1) and verify (B x K+1), one draft
-  step (B x 1); and the device loop's whole step (its captured graph, from a saved state, restored after).
+  step (B x 1) or a head's whole draft of a step (EAGLE-3's catch-up and K-1 steps, Medusa's one pass; the ideal
+  counts it as K draft steps of a K-th of it); and the device loop's whole step (its captured graph, from a saved
+  state, restored after).
 - tok/s = tokens per pass x rows / step time (steady decoding; `e2e_tok_s` in the JSON adds prefill and
   captures); host on the critical path = measured loop step - its graph replayed alone; ideal = `pipeline.ideal`
   from the forward costs and the measured tokens per pass; efficiency = measured speedup over target-only (the
@@ -36,7 +41,7 @@ from typing import Any
 
 import torch
 
-from pipeline.config import EngineConfig, SamplingParams, SpecParams
+from pipeline.config import EngineConfig, SamplingParams, SpecParams, is_head
 from pipeline.ideal import efficiency, ideal_speedup
 
 TINY = "tiny"
@@ -61,7 +66,9 @@ def _models(args) -> tuple[Any, Any, Any]:
         target = _tiny(args, 0)
     else:
         target = random_llama(SHAPES[args.target], torch.device(args.device), dtype)
-    if args.draft == "demo":
+    if is_head(args.draft):
+        draft = None  # built on the target (`_head`)
+    elif args.draft == "demo":
         from pipeline.models.store import DEMO_DRAFT, resolve
 
         draft = load_model(str(resolve(DEMO_DRAFT)), device=args.device, dtype=args.dtype)[0]
@@ -70,6 +77,41 @@ def _models(args) -> tuple[Any, Any, Any]:
     else:
         draft = random_llama(SHAPES[args.draft], torch.device(args.device), dtype)
     return target, draft, tok
+
+
+def _head(args, target, tok):
+    """The feature head `--draft` names, on the target; `eagle3:random` / `medusa:random` write a random-weight
+    checkpoint of the target's shape first (a dry run's)."""
+    from pipeline.drafters import build_drafter
+
+    kind, folder = args.draft.split(":", 1)
+    if folder == "random":
+        folder = str(Path(tempfile.mkdtemp()) / kind)
+        _random_head(kind, folder, target)
+    return build_drafter(f"{kind}:{folder}", target.info, tok, target=target)
+
+
+def _random_head(kind: str, folder: str, target) -> None:
+    """Random weights of the target's shape (K = 4 Medusa heads on its output layer; an EAGLE-3 layer of its width)."""
+    from pipeline.heads.eagle3 import Eagle3Config, Eagle3Head, save_eagle3
+    from pipeline.heads.medusa import MedusaConfig, MedusaHeads, save_medusa
+
+    a = target.args
+    torch.manual_seed(0)
+    if kind == "medusa":
+        heads = MedusaHeads(MedusaConfig(4, 1, shared_lm_head=True), a.dim, a.vocab_size,
+                            target.model.output.weight.detach().cpu().float())
+        save_medusa(heads, folder, torch.float32)
+        return
+    cfg = Eagle3Config(hidden_size=a.dim, num_attention_heads=a.n_heads, num_key_value_heads=a.n_kv_heads,
+                       intermediate_size=a.intermediate_size, vocab_size=a.vocab_size,
+                       draft_vocab_size=min(a.vocab_size, 32768), head_dim=a.head_dim,
+                       aux_layers=None if a.n_layers >= 4 else (0, a.n_layers // 2, a.n_layers))
+    head = Eagle3Head(cfg, target.model.tok_embeddings.weight.detach().cpu().float())
+    for w in head.parameters():
+        if w.dim() > 1:
+            torch.nn.init.normal_(w, std=w.shape[-1] ** -0.5)
+    save_eagle3(head, folder, torch.float32)
 
 
 def _tiny(args, seed: int):
@@ -180,6 +222,11 @@ def _forward_costs(engine, B: int, k: int, args, sync) -> dict:
     drafter = engine.drafter
     if isinstance(drafter, ModelDrafter):
         out["draft_ms"] = cost(drafter.model, 1)
+    loop = getattr(engine, "_last_loop", None)
+    if loop is not None and loop.head is not None:  # the head's whole draft of a step, from the loop's last state
+        draft = loop._draft_head
+        out["head_draft_ms"] = (_graph_ms(draft, 20) if loop.capture else _replay_ms(draft, args.iters, sync))
+        out["draft_ms"] = out["head_draft_ms"] / k
     return out
 
 
@@ -203,13 +250,18 @@ def bench(args) -> dict:
 
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     target, draft_model, tok = _models(args)
+    head = _head(args, target, tok) if draft_model is None else None
+    if head is not None and args.alpha is not None:
+        raise SystemExit("--alpha applies to a draft model's shape (synthetic acceptance), not to a feature head")
     max_b = max(args.batches)
     cfg = EngineConfig(max_batch_size=max_b, max_seq_len=args.prompt_len + args.max_tokens + 600,
                        device=args.device, dtype=args.dtype)
     if tok is not None:
         cfg = dataclasses.replace(cfg, max_seq_len=4096)
-    engine = SpeculativeEngine(target, tok, ModelDrafter(draft_model), cfg)  # wraps both on the graph path
-    target, draft_model = engine.target, engine.drafter.model
+    # wraps the target (and a draft model) on the graph path
+    engine = SpeculativeEngine(target, tok, head or ModelDrafter(draft_model), cfg)
+    target = engine.target
+    draft_model = None if head is not None else engine.drafter.model
     # Keep the last synthetic loop (not cached by the engine) for the replay measurement.
     make = engine._device_loop
 
@@ -232,7 +284,9 @@ def bench(args) -> dict:
             if k == 0:
                 engine.drafter = None
             elif engine.drafter is None:
-                if args.alpha is not None:  # synthetic acceptance on the recorded target-only output
+                if head is not None:
+                    engine.drafter = head
+                elif args.alpha is not None:  # synthetic acceptance on the recorded target-only output
                     rec = Path(tempfile.mkdtemp()) / "recording.json"
                     Recording(prompts, ref, target.info.vocab_size).save(rec)
                     engine.drafter = SyntheticDrafter(draft_model, rec, args.alpha)
@@ -282,9 +336,10 @@ def table(r: dict) -> str:
                          f"{f(x.get('speedup'), 2)} | "
                          f"{f(row['ideal_speedup'], 2) if path.startswith('spec') else ''} | "
                          f"{f(x.get('efficiency'), 2)} | {x['exact']} |")
+        draft = (f"head draft of a step {row['head_draft_ms']:.3f}" if "head_draft_ms" in row
+                 else f"draft step {row.get('draft_ms', 0):.3f}")
         lines.append(f"| {row['batch']} | forward costs | decode {row['decode_ms']:.3f}, "
-                     f"verify {row['verify_ms']:.3f}, "
-                     f"draft step {row.get('draft_ms', 0):.3f} ms | | | | | | | | |")
+                     f"verify {row['verify_ms']:.3f}, {draft} ms | | | | | | | | |")
     return "\n".join(lines)
 
 
@@ -314,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text, flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"device_loop_{args.target}_{args.draft}"
+    stem = f"device_loop_{args.target}_{args.draft.replace('/', '_').replace(':', '-')}"
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     (out / f"{stem}.md").write_text(text + "\n")
     return 0

@@ -229,10 +229,11 @@ class EngineConfig:
     # A token tree instead of a chain (TreeConfig): a draft model drafts this shape, the target verifies it in one
     # pass. None: chains. Needs a draft model and a target on the eager fast path (else chains, logged).
     tree: TreeConfig | None = None
-    # Run a batch whose drafter is one draft model (or none) as device work read back one step behind
-    # (pipeline.device_loop: no host read between steps; on CUDA one captured graph a step). Its K is fixed (no
-    # adaptive K), and requests join only when the batch starts; other batches take the step-by-step path.
-    # None: where the step can be captured (both models on the CUDA graph path with its device-side attention).
+    # Run a batch whose drafter is one draft model, one feature head (medusa:/eagle3:, not behind prompt lookup) or
+    # none as device work read back one step behind (pipeline.device_loop: no host read between steps; on CUDA one
+    # captured graph a step). Its K is fixed (no adaptive K), and requests join only when the batch starts; other
+    # batches take the step-by-step path. None: where the step can be captured (the target, and a draft model, on
+    # the CUDA graph path with its device-side attention; a head runs on the target's device in plain torch ops).
     device_loop: bool | None = None
     # Self-speculation for long contexts (pipeline.self_spec): on a CUDA target with at least `self_spec_min_batch`
     # slots, requests whose prompt has at least `self_spec_min_context` tokens draft with the target itself through

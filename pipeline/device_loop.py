@@ -1,10 +1,11 @@
 """Speculative steps as device work, read back one step behind.
 
-`DeviceLoop` steps a fixed batch of requests whose drafter is a draft model (or none: target-only decoding)
-with every per-step value on the model's device: the drafter's catch-up and its K draft forwards, the target's
-verify pass, rejection sampling (`pipeline.rejection`) and the next step's inputs are launched back to back with
-no host read in between. On CUDA, with both models on the graph path and its device-side attention, the whole
-step is captured as one CUDA graph: a step costs the host one replay and one asynchronous copy.
+`DeviceLoop` steps a fixed batch of requests whose drafter is a draft model, a feature head (Medusa, EAGLE-3) or
+none (target-only decoding) with every per-step value on the model's device: the drafter's catch-up and its K
+draft forwards, the target's verify pass, rejection sampling (`pipeline.rejection`) and the next step's inputs are
+launched back to back with no host read in between. On CUDA, with the models on the graph path and its
+device-side attention, the whole step is captured as one CUDA graph: a step costs the host one replay and one
+asynchronous copy.
 
 The host reads step t's verdicts (accepted count and emitted tokens per row) through pinned memory after it has
 launched step t+1, so committing tokens, detokenising and streaming overlap the device's next step instead of
@@ -19,6 +20,16 @@ recovered token), where `ModelDrafter` feeds the tokens its cache lacks.
 
 A synthetic-acceptance drafter (`pipeline.synthetic`) runs here too: its proposals per output position are given
 as `overrides`, the draft model's forwards run for their cost and its own tokens are replaced.
+
+A feature head (`pipeline.heads.drafter.HeadDrafter`) drafts with that module's functions (`medusa_draft`,
+`eagle3_chain`, the same `sparse_draft` and DRAFT uniforms). The verify pass returns the states the head reads
+(`forward_features`; `GraphCausalLM.forward_static_features` when captured) for its K+1 fed positions; the loop
+keeps them with the emitted tokens as the next step's pairs (feature of position p, token p+1), K+1 columns and the
+count accepted + 1. Medusa drafts from the last valid column's final normed state in one pass. EAGLE-3 reads all
+K+1 columns into its slot-indexed cache (columns past the accepted ones write positions that its drafts and the next
+catch-up overwrite before any query reads them), then drafts on from the last valid one; captured, its attention
+reads a fixed span of its slot under a mask (`Eagle3Head.step(span=)`; `pipeline.engine.head_span`: a power of two
+past every position the batch can reach), so no shape depends on a position.
 """
 
 from __future__ import annotations
@@ -27,8 +38,10 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from pipeline.drafters import sparse_draft
+from pipeline.heads.drafter import HeadDrafter, PendingPairs, eagle3_chain, medusa_draft
 from pipeline.models.base import CausalLM
 from pipeline.rejection import DraftBlock, accept, verify
 from pipeline.rng import Stream, uniform
@@ -59,6 +72,13 @@ def _forward_fn(model: CausalLM) -> Callable[[torch.Tensor, torch.Tensor, torch.
     return lambda tokens, positions, slots: model.forward(tokens, positions, slots)
 
 
+def _features_fn(model: CausalLM, layers: tuple[int, ...]) -> Callable:
+    """tokens [B, T], positions [B], slots [B] -> (logits [B, T, V], the states of `layers` [B, T, F])."""
+    if device_resident(model):
+        return lambda tokens, positions, slots: model.forward_static_features(tokens, positions, slots, layers)
+    return lambda tokens, positions, slots: model.forward_features(tokens, positions, slots, layers)
+
+
 class DeviceLoop:
     """One batch shape's step (B rows, K drafts, the sampling flags), reusable: `start` loads new rows into its
     fixed tensors, so a captured graph serves every batch of that shape."""
@@ -74,10 +94,15 @@ class DeviceLoop:
         out_ids: torch.Tensor | None = None,  # the drafter's reduced output vocabulary (`ModelDrafter._out_ids`)
         overrides: Overrides | None = None,  # a synthetic drafter's (a measurement aid); `start` loads each batch's
         capture: bool | None = None,  # one CUDA graph per step; None: when both models are device-resident
+        head: HeadDrafter | None = None,  # a feature head instead of a draft model (its weights on the target's device)
+        head_span: int | None = None,  # EAGLE-3 captured: cache positions its attention reads (past every query the
+        # batch can reach); None: its whole cache
     ) -> None:
-        if k < 0 or (k > 0) != (drafter is not None):
-            raise ValueError(f"a device loop drafts K > 0 tokens exactly when it has a draft model (K = {k})")
+        if k < 0 or (k > 0) != (drafter is not None or head is not None) or (drafter is not None and head is not None):
+            raise ValueError(f"a device loop drafts K > 0 tokens exactly when it has one draft model or head (K = {k})")
         self.target, self.drafter, self.k, self.top_k = target, drafter, k, draft_top_k
+        self.head = head
+        self.depth = k  # most drafts a row verifies a step (Medusa: at most its number of heads)
         self.device = dev = torch.device(getattr(target, "device", "cpu"))
         self.B = B = batch
         self.sampling = SamplingTensors(*(t.clone().to(dev) for t in (sampling.temperature, sampling.top_k,
@@ -103,6 +128,20 @@ class DeviceLoop:
         self._target_fn = _forward_fn(target)
         if drafter is not None:
             self._catch_up_fn = self._draft_fn = _forward_fn(drafter)
+        if head is not None:
+            # The pairs of the last verify pass, which the next step's catch-up reads (`HeadDrafter` says more):
+            # the features of positions h_start .. h_start + K, each with the token after it; h_last + 1 are valid.
+            self._target_fn = _features_fn(target, head.feature_layers)
+            self.h_tok = zeros(B, k + 1)
+            self.h_feat = torch.zeros(B, k + 1, head.feature_width, dtype=getattr(target, "dtype", torch.float32),
+                                      device=dev)
+            self.h_start, self.h_last = zeros(B), zeros(B)
+            self.depth = k if head.depth is None else min(k, head.depth)
+            # EAGLE-3's attention reads a fixed span of its slot where the step is captured (shapes independent of
+            # the positions), else up to the last position (one host read, as `HeadDrafter` does)
+            self._span = None
+            if head.eagle and device_resident(target):
+                self._span = min(head_span or head.head.max_len, head.head.max_len)
         resident = device_resident(target) and (drafter is None or device_resident(drafter))
         self.capture = (resident and dev.type == "cuda") if capture is None else capture
         if self.capture and not (resident and dev.type == "cuda"):
@@ -116,12 +155,14 @@ class DeviceLoop:
     # -- state ---------------------------------------------------------------------------------------------
     def start(self, contexts: Sequence[Sequence[int]], steps: Sequence[int], remaining: Sequence[int],
               target_slots: Sequence[int], drafter_slots: Sequence[int] | None = None,
-              sampling: SamplingTensors | None = None, overrides: Overrides | None = None) -> None:
+              sampling: SamplingTensors | None = None, overrides: Overrides | None = None,
+              pairs: PendingPairs | None = None) -> None:
         """Load a batch: rows whose target cache and drafter cache hold context[:-1] (both prefilled), at
         target-pass counter `steps`, with `remaining` tokens to emit at most (a row drafts at most remaining - 1
         tokens, as `pipeline.step.draft_budgets` has it: the last token always comes from the target), in these
         cache slots, with these sampling values (the flags must be this loop's) and synthetic proposals (of this
-        loop's shape). Steps still in flight are waited for and dropped."""
+        loop's shape). A feature head's rows come as `pairs` (`HeadDrafter.pending_pairs`, K+1 wide; its slots are
+        the head's cache slots). Steps still in flight are waited for and dropped."""
         assert len(contexts) == self.B, f"a loop of {self.B} rows was given {len(contexts)}"
         for _, event in self._events:
             if event is not None:
@@ -151,6 +192,13 @@ class DeviceLoop:
         self.steps.copy_(as_t(steps))
         self.left.copy_(as_t(remaining))
         self.active.fill_(True)
+        if self.head is not None:
+            assert pairs is not None and pairs.tokens.shape == self.h_tok.shape, "a head's loop starts from its pairs"
+            self.h_tok.copy_(pairs.tokens)
+            self.h_feat.copy_(pairs.features)
+            self.h_start.copy_(pairs.start)
+            self.h_last.copy_(pairs.count - 1)
+            self.d_slots.copy_(pairs.slots)
 
     def freeze(self, rows: Sequence[int]) -> None:
         """Stop rows from moving in the steps launched from now on (they finished; their verdicts are ignored)."""
@@ -187,6 +235,26 @@ class DeviceLoop:
             return DraftBlock(tokens, num_draft)  # reads only the tokens)
         return DraftBlock(tokens, num_draft, top_ids, top_probs)
 
+    def _draft_head(self) -> DraftBlock:
+        """The feature head's draft, as `HeadDrafter.propose` drafts it (`medusa_draft`, `eagle3_chain`): EAGLE-3
+        first reads the last pass's pairs (all K+1 columns; those past a row's accepted ones write cache positions
+        that the drafts and the next catch-up overwrite before any query reads them)."""
+        K, dev = self.k, self.device
+        hd, depth = self.head, self.depth
+        last = self.h_last.clamp(min=0)
+        u = uniform(self.sampling.seeds, self.steps, Stream.DRAFT, K).to(dev)  # [B, K]
+        if hd.eagle:
+            logits, r = hd.head.step(self.h_tok, self.h_feat, self.h_start, self.d_slots, fused=True,
+                                     span=self._span)  # [B, K+1, V'], [B, K+1, C]
+            drafted = eagle3_chain(hd.head, logits[self._rows, last], r[self._rows, last], self.pos, self.d_slots,
+                                   depth, self.sampling, u, self.top_k, hd._out_ids, self._span)
+        else:
+            drafted = medusa_draft(hd.head, self.h_feat[self._rows, last], depth, self.sampling, u, self.top_k)
+        tokens, ids, probs = (F.pad(t, (0, 0) * (t.dim() - 2) + (0, K - depth)) for t in drafted)
+        ready = self.active & (self.h_last >= 0)  # a row with no pair yet drafts from its second step on
+        num_draft = torch.where(ready, (self.left - 1).clamp(0, depth), 0)
+        return DraftBlock(tokens, num_draft, ids, probs)
+
     def _override(self, token: torch.Tensor, first: torch.Tensor, j: int) -> torch.Tensor:
         """Draft j's proposal (first: each row's position of draft 0): the recorded one while in range, else
         `(pending + 1 + i) % vocab` with i counting the drafts past the recording, as `SyntheticDrafter` does."""
@@ -201,10 +269,15 @@ class DeviceLoop:
 
     def _step(self) -> None:
         B, K, dev = self.B, self.k, self.device
-        draft = self._draft() if K else DraftBlock(torch.zeros(B, 0, dtype=torch.int64, device=dev),
-                                                   torch.zeros(B, dtype=torch.int64, device=dev))
+        if not K:
+            draft = DraftBlock(torch.zeros(B, 0, dtype=torch.int64, device=dev),
+                               torch.zeros(B, dtype=torch.int64, device=dev))
+        else:
+            draft = self._draft() if self.head is None else self._draft_head()
         fed = torch.cat([self.last[:, None], draft.token_ids], dim=1)  # [B, K+1]
         logits = self._target_fn(fed, self.pos, self.t_slots)
+        if self.head is not None:
+            logits, features = logits
         out = accept(verify(logits, draft, self.sampling, self.steps), draft, self.sampling.seeds, self.steps,
                      self.sampling.all_greedy)
         n = out.num_accepted  # [B]
@@ -212,7 +285,12 @@ class DeviceLoop:
         self.result[:, 1:] = out.tokens
         bonus = out.tokens[self._rows, n]
         act = self.active
-        if K:
+        if self.head is not None:  # the pairs of the positions just committed: pending + accepted drafts
+            self.h_feat.copy_(torch.where(act[:, None, None], features, self.h_feat))
+            self.h_tok.copy_(torch.where(act[:, None], out.tokens, self.h_tok))
+            self.h_start.copy_(torch.where(act, self.pos, self.h_start))
+            self.h_last.copy_(torch.where(act, n, self.h_last))
+        elif K:
             all_in = n == K  # the last draft token never went through the drafter: feed it with the bonus
             last_draft = draft.token_ids[:, K - 1]
             feed0 = torch.where(all_in, last_draft, bonus)
@@ -279,4 +357,5 @@ class DeviceLoop:
         self._graph = graph
 
     def _state(self) -> list[torch.Tensor]:
-        return [self.last, self.pos, self.d_feed, self.d_pos, self.d_read, self.steps, self.left, self.active]
+        head = [self.h_tok, self.h_feat, self.h_start, self.h_last] if self.head is not None else []
+        return [self.last, self.pos, self.d_feed, self.d_pos, self.d_read, self.steps, self.left, self.active, *head]

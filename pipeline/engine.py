@@ -284,17 +284,17 @@ class SpeculativeEngine:
                 self._retire(state, slot)
 
     def _device_loop_fits(self, states: list[RequestState]) -> bool:
-        """`EngineConfig.device_loop` applies (None: where the step can be captured): one draft model or none, a
-        fixed K, every request admitted at once."""
+        """`EngineConfig.device_loop` applies (None: where the step can be captured): one draft model, one feature
+        head or no drafter, a fixed K, every request admitted at once."""
         drafter = self.drafter
-        plain = drafter is None or type(drafter) in (ModelDrafter, SyntheticDrafter)
+        head = _head_drafter(drafter) is drafter and drafter is not None  # a head alone (not behind prompt lookup)
+        plain = drafter is None or head or type(drafter) in (ModelDrafter, SyntheticDrafter)
         if not plain:
             return False
         enabled = self.config.device_loop
-        if enabled is None:
-            enabled = device_resident(self.target) and (drafter is None or device_resident(drafter.model))
-        return (enabled and self.k_policy is None and self.head is None
-                and 0 < len(states) <= len(self._free_slots))
+        if enabled is None:  # a head runs on the target's device in plain torch ops, which capture with it
+            enabled = device_resident(self.target) and (drafter is None or head or device_resident(drafter.model))
+        return enabled and self.k_policy is None and 0 < len(states) <= len(self._free_slots)
 
     def _run_device_loop(self, states: list[RequestState], spec: SpecParams) -> Iterator[StreamEvent]:
         """The batch on `pipeline.device_loop.DeviceLoop`: step t+1 is launched before step t's tokens are read."""
@@ -317,7 +317,7 @@ class SpeculativeEngine:
                 for b, state in enumerate(states):
                     if state.finished:
                         continue
-                    committed, text = commit(state, Verdict(loop.k, num_accepted[b], emitted[b]))
+                    committed, text = commit(state, Verdict(loop.depth, num_accepted[b], emitted[b]))
                     if state.finished:
                         done.append(b)
                     yield StreamEvent(state.request_id, committed, text, state.finished,
@@ -340,21 +340,27 @@ class SpeculativeEngine:
         device = self.target.device if hasattr(self.target, "device") else torch.device("cpu")
         sampling = SamplingTensors.from_params([s.params for s in states], device)
         drafter = _model_drafter(self.drafter)
-        k = spec.num_draft_tokens if drafter is not None else 0
-        overrides = d_slots = None
+        head = _head_drafter(self.drafter)
+        k = spec.num_draft_tokens if drafter is not None or head is not None else 0
+        overrides = d_slots = pairs = None
         if drafter is not None:
             d_slots = [drafter._slot(s.request_id, {s.request_id for s in states}) for s in states]
             if hasattr(drafter, "loop_overrides"):  # a synthetic-acceptance drafter: its proposals are the batch's
                 overrides = drafter.loop_overrides(states, device)
+        span = None
+        if head is not None and k:  # the pairs the head has not read: the loop's first catch-up
+            pairs = head.pending_pairs([s.request_id for s in states], k + 1, self.target.dtype)
+            if head.eagle and device_resident(self.target):
+                span = head_span(states, k)
         key = (len(states), k, spec.draft_top_k, sampling.all_greedy, sampling.any_greedy, sampling.needs_truncation,
-               overrides is not None)
+               overrides is not None, span)
         loop = self._loops.get(key)
         if loop is None:
             loop = self._loops[key] = DeviceLoop(
                 self.target, len(states), sampling, k, None if drafter is None else drafter.model, spec.draft_top_k,
-                None if drafter is None else drafter._out_ids, overrides)
+                None if drafter is None else drafter._out_ids, overrides, head=head if k else None, head_span=span)
         loop.start([s.context for s in states], [s.step for s in states], [s.remaining for s in states], slots,
-                   d_slots, sampling, overrides)
+                   d_slots, sampling, overrides, pairs)
         return loop
 
     def _retire(self, state: RequestState, slot: int) -> None:
@@ -456,6 +462,14 @@ class SpeculativeEngine:
             seed=int(state.params.seed),
             stats=state.stats.summary(),
         )
+
+
+def head_span(states: Sequence[RequestState], k: int) -> int:
+    """The cache positions a captured EAGLE-3 step attends over for this batch: past every position its queries
+    can reach (a row's context and remaining tokens, a step run past its end, K+1 catch-up and K drafts), as a power
+    of two from 256, so a few graphs serve every batch."""
+    reach = max(len(s.context) + s.remaining for s in states) + 4 * k + 8
+    return max(256, 1 << (reach - 1).bit_length())
 
 
 def _head_drafter(drafter: Drafter | None):  # -> pipeline.heads.drafter.HeadDrafter | None

@@ -9,10 +9,14 @@ that follows it (the next prompt token, the accepted drafts, the recovered or bo
 - Medusa drafts from the feature of the last committed position: head i gives the token i+1 places past the
   pending one, all heads at once (a row drafts at most as many tokens as there are heads).
 - EAGLE-3 first reads every pair it has not read into its own KV cache (one batched call), which gives the first
-  draft, then drafts on from its own pre-norm output and the token it drafted, one position a call.
+  draft, then drafts on from its own pre-norm output and the token it drafted, one position a call. A row that
+  gathers `FEED_AT` unread pairs (a prompt) reads all but the last at once; the last one starts the next draft.
 
 Both ship the sparse distribution their tokens were sampled from (`pipeline.drafters.sparse_draft`, with the
 DRAFT random stream), so verification stays exact at any temperature.
+
+The drafting itself (`medusa_draft`, `eagle3_chain`) is shared with `pipeline.device_loop`, which steps a batch with
+a head as device work: `pending_pairs` hands it the pairs each row has not read.
 """
 
 from __future__ import annotations
@@ -126,7 +130,7 @@ class HeadDrafter:
             row.features, row.tokens = row.features[-1:], row.tokens[-1:]
             row.fed = start + n - 1
         elif row.pending >= FEED_AT:
-            self._read([row])
+            self._read_head(row, keep=1)  # the last pair stays: the next draft starts from its logits
 
     def propose(self, rows: Sequence[ProposeRow], k: int, sampling: SamplingTensors, steps: torch.Tensor,
                 draft_top_k: int) -> DraftBlock:
@@ -156,17 +160,56 @@ class HeadDrafter:
     def head_vocab(self) -> int:
         return self.head.shared.shape[0] if self.head.lm_heads is None else self.head.lm_heads[0].out_features
 
-    # -- drafting ------------------------------------------------------------------------------------------------
-    def _sample(self, logits: torch.Tensor, sampling: SamplingTensors, u: torch.Tensor, top_k: int):
-        ids, probs = sparse_draft(logits, sampling, top_k, self._out_ids)  # [A, k'], [A, k']
-        token = ids.gather(-1, sample_from_probs(probs, u)[:, None]).squeeze(-1)  # [A]
-        return token, ids, probs
+    @property
+    def depth(self) -> int | None:
+        """Most tokens a pass drafts (Medusa: its number of heads); None: any K (EAGLE-3 drafts on)."""
+        return None if self.eagle else self.head.num_heads
 
+    @property
+    def feature_width(self) -> int:
+        """Width of the target features the head reads per position (`forward_features` of `feature_layers`)."""
+        if self.eagle:
+            return self.head.fc.in_features
+        return self.head.shared.shape[1] if self.head.lm_heads is None else self.head.lm_heads[0].in_features
+
+    @torch.inference_mode()
+    def pending_pairs(self, request_ids: Sequence[str], width: int, dtype: torch.dtype) -> PendingPairs:
+        """Each row's observed pairs that the head has not read, as fixed-width tensors for a device loop's first
+        catch-up (`pipeline.device_loop`): an EAGLE-3 row with more than `width` reads the older ones into its cache
+        first. The rows are the device loop's from then on (their pairs here are not read again)."""
+        B, dev = len(request_ids), self.device
+        out = PendingPairs(torch.zeros(B, width, dtype=torch.int64), torch.zeros(B, width, self.feature_width,
+                                                                               dtype=dtype),
+                           torch.zeros(B, dtype=torch.int64), torch.zeros(B, dtype=torch.int64),
+                           torch.zeros(B, dtype=torch.int64))
+        for b, request_id in enumerate(request_ids):
+            row = self._rows[request_id]
+            assert not row.lost, f"{request_id}: the head missed positions of this request"
+            if self.eagle and row.pending > width:
+                self._read_head(row, keep=width)
+            n = row.pending
+            if n:
+                out.tokens[b, :n] = torch.tensor(row.tokens, dtype=torch.int64)
+                out.features[b, :n] = torch.cat(row.features)[-n:].to("cpu", dtype)  # Medusa: the last one
+            out.start[b], out.count[b], out.slots[b] = row.fed, n, max(row.slot, 0)
+            row.features, row.tokens = [], []
+        return PendingPairs(*(t.to(dev) for t in (out.tokens, out.features, out.start, out.count, out.slots)))
+
+    # -- drafting ------------------------------------------------------------------------------------------------
     def _medusa(self, states: list[_Row], depth: int, sampling: SamplingTensors, u: torch.Tensor, top_k: int):
         feats = torch.stack([s.features[-1][-1] for s in states]).to(self.device)  # [A, C]
-        hidden = self.head.hidden(feats.to(next(self.head.parameters()).dtype))  # [A, K, C]
-        cols = [self._sample(self.head.logits(hidden[:, j], j), sampling, u[:, j], top_k) for j in range(depth)]
-        return tuple(torch.stack(c, dim=1) for c in zip(*cols))
+        return medusa_draft(self.head, feats, depth, sampling, u, top_k)
+
+    def _read_head(self, row: _Row, keep: int) -> None:
+        """Read all but the last `keep` of one row's unread pairs into the EAGLE-3 cache."""
+        n = row.pending - keep
+        if n <= 0:
+            return
+        flat = torch.cat(row.features)
+        self.head.step(torch.tensor([row.tokens[:n]], dtype=torch.int64), flat[None, :n],
+                       torch.tensor([row.fed]), torch.tensor([row.slot]), fused=True)
+        row.fed += n
+        row.features, row.tokens = [flat[n:]], row.tokens[n:]
 
     def _read(self, states: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed each row's unread pairs into the head's cache -> (logits [A, V'], r [A, C]) at each row's last pair."""
@@ -195,14 +238,70 @@ class HeadDrafter:
     def _eagle_chain(self, states: list[_Row], depth: int, sampling: SamplingTensors, u: torch.Tensor, top_k: int):
         logits, r = self._read(states)
         slots = torch.tensor([s.slot for s in states], dtype=torch.int64)
-        nxt = torch.tensor([s.fed for s in states], dtype=torch.int64)  # the first draft's position
-        cols = []
-        for j in range(depth):
-            cols.append(self._sample(logits, sampling, u[:, j], top_k))
-            if j + 1 < depth:
-                lg, rr = self.head.step(cols[-1][0][:, None], r[:, None], nxt + j, slots, fused=False)
-                logits, r = lg[:, 0], rr[:, 0]
-        return tuple(torch.stack(c, dim=1) for c in zip(*cols))
+        nxt = torch.tensor([s.fed for s in states], dtype=torch.int64)  # the pending token's position
+        return eagle3_chain(self.head, logits, r, nxt, slots, depth, sampling, u, top_k, self._out_ids)
+
+
+@dataclass
+class PendingPairs:
+    """Rows' observed (feature, next token) pairs that the head has not read, padded to a fixed width."""
+
+    tokens: torch.Tensor  # [B, W] int64: the token after each position
+    features: torch.Tensor  # [B, W, F] the target's states at each position
+    start: torch.Tensor  # [B] int64: position of column 0
+    count: torch.Tensor  # [B] int64: valid columns (0: none, the row cannot draft yet)
+    slots: torch.Tensor  # [B] int64: the rows' EAGLE-3 cache slots (0 for Medusa, which has no cache)
+
+
+# -- the drafting functions, shared by `HeadDrafter` (step by step) and `pipeline.device_loop` (captured) ------------
+def sample_draft(
+    logits: torch.Tensor,  # [A, V'] float32
+    sampling: SamplingTensors,  # per row
+    u: torch.Tensor,  # [A] float64 DRAFT uniforms of this draft position
+    top_k: int,
+    out_ids: torch.Tensor | None,  # [V'] int64 target id of each logit (EAGLE-3's reduced vocabulary); None: itself
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # token [A], ids [A, k'], probs [A, k']
+    ids, probs = sparse_draft(logits, sampling, top_k, out_ids)
+    token = ids.gather(-1, sample_from_probs(probs, u)[:, None]).squeeze(-1)
+    return token, ids, probs
+
+
+def medusa_draft(
+    heads: MedusaHeads,
+    features: torch.Tensor,  # [A, C] the target's final normed state at each row's last committed position
+    depth: int,  # tokens to draft (<= heads.num_heads)
+    sampling: SamplingTensors,
+    u: torch.Tensor,  # [A, >= depth] DRAFT uniforms
+    top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # tokens [A, depth], ids [A, depth, k'], probs [A, depth, k']
+    """Every head's draft at once: head j gives the token j+1 places past the pending one."""
+    hidden = heads.hidden(features.to(next(heads.parameters()).dtype))  # [A, K, C]
+    cols = [sample_draft(heads.logits(hidden[:, j], j), sampling, u[:, j], top_k, None) for j in range(depth)]
+    return tuple(torch.stack(c, dim=1) for c in zip(*cols))
+
+
+def eagle3_chain(
+    head: Eagle3Head,
+    logits: torch.Tensor,  # [A, V'] at each row's last read pair: the first draft's distribution
+    r: torch.Tensor,  # [A, C] the head's pre-norm output there
+    pending_pos: torch.Tensor,  # [A] int64 position of the pending token (the head's next pair goes there)
+    slots: torch.Tensor,  # [A] int64 the rows' head cache slots
+    depth: int,  # tokens to draft
+    sampling: SamplingTensors,
+    u: torch.Tensor,  # [A, >= depth] DRAFT uniforms
+    top_k: int,
+    out_ids: torch.Tensor,  # [V'] target id of each draft-vocabulary row
+    span: int | None = None,  # `Eagle3Head.step`'s: None reads the positions back (a host sync); the cache length not
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # tokens [A, depth], ids [A, depth, k'], probs [A, depth, k']
+    """Draft `depth` tokens autoregressively: each from the head's logits, the next pair being (its own output r,
+    the token it drafted) at the next position."""
+    cols = []
+    for j in range(depth):
+        cols.append(sample_draft(logits, sampling, u[:, j], top_k, out_ids))
+        if j + 1 < depth:
+            lg, rr = head.step(cols[-1][0][:, None], r[:, None], pending_pos + j, slots, fused=False, span=span)
+            logits, r = lg[:, 0], rr[:, 0]
+    return tuple(torch.stack(c, dim=1) for c in zip(*cols))
 
 
 def head_info(folder: str | Path) -> dict:

@@ -156,6 +156,7 @@ class Eagle3Head(nn.Module):
         shape = (num_slots, c.num_key_value_heads, max_len, c.dim_head)
         self.k_cache = torch.zeros(shape, device=self.fc.weight.device, dtype=self.fc.weight.dtype)
         self.v_cache = torch.zeros_like(self.k_cache)
+        self.inv_freq = self.inv_freq.to(self.fc.weight.device)  # no host-to-device copy inside a step
 
     @property
     def num_slots(self) -> int:
@@ -173,7 +174,12 @@ class Eagle3Head(nn.Module):
         positions: torch.Tensor,  # [B] int64 position of column 0
         slots: torch.Tensor,  # [B] int64
         fused: bool,
+        span: int | None = None,  # cache positions the attention reads; None: up to the last one fed (a host read)
     ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [B, T, V'] float32, r [B, T, C]
+        """Write the pairs' keys and values at their positions of each row's slot, attend causally over the slot,
+        and return the logits and pre-norm output of every pair. With `span` (the cache length) the shapes do not
+        depend on the positions, so a step can be captured in a CUDA graph (`pipeline.device_loop`); the mask
+        hides the keys past each query either way."""
         dev = self.fc.weight.device
         tokens, positions, slots = tokens.to(dev), positions.to(dev), slots.to(dev)
         h = features.to(dev, self.fc.weight.dtype)
@@ -184,7 +190,7 @@ class Eagle3Head(nn.Module):
         q, k, v = self._qkv(tokens, h, pos)
         self.k_cache[slots[:, None], :, pos] = k
         self.v_cache[slots[:, None], :, pos] = v
-        S = int(pos.max()) + 1
+        S = int(pos.max()) + 1 if span is None else span
         keys = self.k_cache[:, :, :S].index_select(0, slots)  # [B, Hkv, S, D]
         values = self.v_cache[:, :, :S].index_select(0, slots)
         mask = (torch.arange(S, device=dev)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, S]

@@ -51,7 +51,7 @@ from pipeline.models import pdl
 from pipeline.models.base import CausalLM
 from pipeline.models.decode_attention import resolve_attention, sdpa_mask, sdpa_slot_attention, triton_slot_attention
 from pipeline.models.families import ACTIVATIONS
-from pipeline.models.llama import LlamaArgs, LlamaCausalLM, rms_norm, soft_cap
+from pipeline.models.llama import FINAL_NORMED, LlamaArgs, LlamaCausalLM, rms_norm, soft_cap
 from pipeline.models.rope_write import cache_rows, rope_split, triton_rope_write
 from pipeline.models.skinny_linear import linear, resolve_linear
 
@@ -352,7 +352,9 @@ class GraphCausalLM:
         self._tp_sites = None  # tensor parallel: pipeline.models.tp_fused.SiteBuffers (set by tensor_parallel_graphs)
         self._bufs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._outs: dict[tuple[int, int], torch.Tensor] = {}  # (Bb, Tb) -> static logits, shared by every Sb
-        self._static_outs: dict[tuple[int, int], torch.Tensor] = {}  # (B, T) -> logits of `forward_static`
+        self._static_outs: dict[tuple, torch.Tensor] = {}  # (B, T) -> logits of `forward_static`; (B, T, layers) ->
+        self._taps: list[tuple[int, torch.Tensor]] | None = None  # its features (`forward_static_features`), while
+        # it runs: (layer, the view of the buffer it goes to)
         if runner.num_slots > 0:
             self.allocate(runner.num_slots, runner.max_len)
 
@@ -436,8 +438,15 @@ class GraphCausalLM:
 
     def forward_features(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                          layers: tuple[int, ...], logits_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """`LlamaCausalLM.forward_features` on the eager runner (the same cache): the captured graphs return logits
-        only, so a target that feeds a feature head steps eagerly."""
+        """`LlamaCausalLM.forward_features`: a decode or verify call where `forward_static` runs takes its kernels
+        (uncaptured: the captured graphs return logits only), so the step path and the device loop compute a
+        head's features alike; anything else runs on the eager runner (the same cache)."""
+        B, T = tokens.shape
+        if (logits_from == 0 and self.device_resident()
+                and self.shape_for(B, T, int(positions.max())) is not None):
+            dev = self.device
+            logits, feats = self.forward_static_features(tokens.to(dev), positions.to(dev), slots.to(dev), layers)
+            return logits.clone(), feats.clone()
         self.stats.eager_calls += 1
         return self.runner.forward_features(tokens, positions, slots, layers, logits_from)
 
@@ -458,6 +467,33 @@ class GraphCausalLM:
             out = self._static_outs[(B, T)] = torch.empty(B, T, vocab, device=self.device)
         self._static_forward(tokens, positions, slots, self.max_len, out)
         return out
+
+    def forward_static_features(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                                layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward_static` that also returns the hidden states `LlamaCausalLM.forward_features` names ([B, T,
+        len(layers) * C], in a buffer of this shape and layers that the next such call overwrites): what a feature
+        head reads (`pipeline.device_loop`)."""
+        B, T = tokens.shape
+        C = self.args.dim
+        feats = self._static_outs.get((B, T, layers))
+        if feats is None:
+            feats = self._static_outs[(B, T, layers)] = torch.empty(B, T, len(layers) * C, device=self.device,
+                                                                     dtype=self.dtype)
+        self._taps = [(layer, feats[..., j * C:(j + 1) * C]) for j, layer in enumerate(layers)]  # a layer may repeat
+        try:
+            logits = self.forward_static(tokens, positions, slots)
+        finally:
+            self._taps = None
+        return logits, feats
+
+    def _tap(self, i: int, x: torch.Tensor, B: int, T: int) -> None:
+        """Inside a forward for `forward_static_features`: keep the residual stream x entering layer i (i =
+        n_layers: the last layer's output; after it, the final normed state as `FINAL_NORMED`)."""
+        for layer, out in self._taps or ():
+            if layer == i:
+                out.copy_(x.view(B, T, -1))
+            elif layer == FINAL_NORMED and i == self.args.n_layers:
+                out.copy_(self.runner.model.norm(x.view(B, T, -1)))
 
     def _result(self, logits: torch.Tensor) -> torch.Tensor:
         """What `forward` returns for a view of a graph's static logits: a copy (the next replay overwrites them).
@@ -599,7 +635,8 @@ class GraphCausalLM:
         masks: dict[int | None, torch.Tensor] = {}  # window -> [B, 1, G*T, S] (SDPA), shared by the layers
 
         x = r.model.embed(tokens)  # [B, T, C]
-        for w, k_cache, v_cache in zip(self._layers, r.k_caches, r.v_caches):
+        for i, (w, k_cache, v_cache) in enumerate(zip(self._layers, r.k_caches, r.v_caches)):
+            self._tap(i, x, B, T)
             win = window if stream is not None else w.window
             if fused_rope:
                 qkv = self._qkv_proj(x, w.attn_norm, w.wqkv, w.bqkv, a.norm_eps, lk, off)
@@ -622,6 +659,7 @@ class GraphCausalLM:
                                         softcap=a.attn_softcap)
             x = self._attn_out_mlp(x, y, w.wo, w.bo, w.ffn_norm, w.w13, w.b13, w.w2, w.b2, a.norm_eps, lk,
                                    w.post_attn_norm, w.post_ffn_norm, a.activation, off)
+        self._tap(a.n_layers, x, B, T)
         m = r.model
         out.copy_(self._final_logits(x, m.norm.weight, m.output.weight, a.norm_eps, lk, off, a.final_softcap))
 
@@ -645,6 +683,7 @@ class GraphCausalLM:
             return {"push": tp.push(site)} if tp is not None else {"residual": x, "out": x}
 
         for i, (w, k_cache, v_cache) in enumerate(zip(self._layers, r.k_caches, r.v_caches)):
+            self._tap(i, x, B, T)
             q8 = self._fp8[i] if self._fp8 else {}
             mat = lambda name: q8.get(name, (getattr(w, name), None))  # noqa: E731 - (weight, float8 row scales)
             wqkv, s_qkv = mat("wqkv")
@@ -675,6 +714,7 @@ class GraphCausalLM:
             else:
                 fl.add_norm(x, fl.fused_linear(h, w2, w.b2, use_pdl=p, w_scale=s_2, **kw), w.post_ffn_norm, eps,
                             use_pdl=p)
+        self._tap(a.n_layers, x, B, T)
         m = r.model
         w_out, s_out = self._fp8_out or (m.output.weight, None)
         if a.final_softcap is None:
