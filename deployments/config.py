@@ -208,7 +208,8 @@ class CoordinatorConfig(_Strict):
     max_ongoing_requests: int = Field(256, ge=1, description="Concurrent request loops per coordinator.")
     overlap: bool = Field(
         True, description="Draft the next block while the current one is verified (optimistic: assumes "
-        "every draft token and the drafter's guess of the bonus token are accepted; discarded otherwise)."
+        "every draft token and the drafter's guess of the bonus token are accepted; discarded otherwise). Not with "
+        "a feature head: its next draft needs the target's states of the step's outcome."
     )
     prespec_branches: int = Field(
         PRESPEC_BRANCHES, ge=1, le=16,
