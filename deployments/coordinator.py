@@ -325,7 +325,7 @@ class Coordinator:
         if predrafted:
             hit = run.pre is not None and run.pre.hit >= 0
             run.overlap_hit_rate = 0.7 * run.overlap_hit_rate + 0.3 * hit
-        if want > 0 and not draft.tokens:
+        if want > 0 and k == 0:
             run.counters["steps_without_draft"] += 1  # no drafter reachable, or prompt lookup found nothing
         event = StepEvent(expected_step, committed, text, state.finish_reason)
         if state.finished:

@@ -242,6 +242,7 @@ def test_served_head_in_the_target_equals_the_engine(heads, head_in_target):
     ids, spec = complete(url, model, {"max_tokens": 40, **GREEDY})
     assert ids == want_greedy.token_ids
     assert spec["drafted"] == want_greedy.stats["drafted"] > 0 and spec["accepted"] == want_greedy.stats["accepted"]
+    assert spec["steps_without_draft"] == 0
     first, _ = complete(url, model, {"max_tokens": 40, **SEEDED})
     again, _ = complete(url, model, {"max_tokens": 40, **SEEDED})
     assert first == again == engine_steps(heads, heads["eagle3"], SEEDED)[1].token_ids
@@ -253,6 +254,7 @@ def test_served_head_on_a_drafter_gives_the_targets_greedy_output_and_replays(he
     ids, spec = complete(url, model, {"max_tokens": 40, **GREEDY})
     assert ids == engine_steps(heads, heads["eagle3"], GREEDY)[1].token_ids
     assert spec["drafted"] > 0 and spec["drafter_failovers"] == 0
+    assert spec["steps_without_draft"] == 1  # the first: the head has read no states yet
     first, spec = complete(url, model, {"max_tokens": 40, **SEEDED})
     again, _ = complete(url, model, {"max_tokens": 40, **SEEDED})
     assert first == again and spec["drafted"] > 0
