@@ -327,6 +327,13 @@ class AppConfig(_Strict):
         return v
 
     @model_validator(mode="after")
+    def _head_needs_one_shard(self) -> "AppConfig":
+        if self.drafter.head is not None and self.target.tensor_parallel_size > 1:
+            raise ValueError(f"drafter.draft={self.drafter.draft!r}: a feature head reads the target's hidden states, "
+                             "which a tensor-parallel target does not return (target.tensor_parallel_size must be 1)")
+        return self
+
+    @model_validator(mode="after")
     def _tls_needs_rediss(self) -> "AppConfig":
         if self.redis_tls is not None and not (self.redis_url or "").startswith("rediss://"):
             raise ValueError("redis_tls applies to an external Redis over TLS: set redis_url to rediss://...")

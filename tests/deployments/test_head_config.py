@@ -29,3 +29,8 @@ def test_a_feature_head_runs_drafter_replicas_only_when_placed_there(word):
     assert not on_drafter.drafter.head_in_target and DRAFTER in deployment_options(on_drafter)
     with pytest.raises(ValidationError):
         DrafterConfig(draft=word, head_placement="ingress")
+
+
+def test_a_feature_head_needs_a_target_of_one_shard():
+    with pytest.raises(ValidationError, match="tensor_parallel_size must be 1"):
+        AppConfig(drafter={"draft": "eagle3:/heads/e3"}, target={"tensor_parallel_size": 2})
