@@ -6,7 +6,8 @@ in-process engine: with the head in the target every step is the engine's (greed
 drafter replica the first step has no draft (the head has read nothing yet) and the output is the target's greedy
 output, a seeded request replays; a target worker that restarts mid-request re-prefills and its head reads the
 committed tokens again. The last ones run one app per placement (real Ray, real Redis, HTTP): greedy output equals the
-engine's token for token, seeded requests replay (and, head in the target, equal the engine's).
+engine's token for token, seeded requests replay (and, head in the target, equal the engine's), and a request resumed
+from Redis (Last-Event-ID after the client left) ends with the engine's tokens.
 
 Sampled outputs follow the target's distribution because the steps are the engine's (`pipeline.step`, the same
 verification and acceptance code); the distribution test with its negative control runs on the engine
@@ -246,6 +247,34 @@ def test_served_head_in_the_target_equals_the_engine(heads, head_in_target):
     first, _ = complete(url, model, {"max_tokens": 40, **SEEDED})
     again, _ = complete(url, model, {"max_tokens": 40, **SEEDED})
     assert first == again == engine_steps(heads, heads["eagle3"], SEEDED)[1].token_ids
+
+
+@pytest.mark.slow
+def test_served_head_in_the_target_resumes_from_redis(heads, head_in_target):
+    """A client that leaves after a few events and comes back with Last-Event-ID: the request resumes from its
+    committed tokens in Redis (its target slot, and the head's with it, read them again) and the whole output is the
+    engine's."""
+    url, model = head_in_target
+    want = engine_steps(heads, heads["eagle3"], GREEDY, max_tokens=120)[1].token_ids
+    body = {"model": model, "prompt": PROMPT, "stream": True, "ignore_eos": True, "max_tokens": 120, **GREEDY}
+    ids, last = [], None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        for n, (eid, data) in enumerate(sse_events(r.iter_lines())):
+            if data != "[DONE]" and data["choices"]:
+                ids += data["choices"][0]["token_ids"]
+                last = eid
+            if n == 2:
+                break  # the connection closes: the request is cancelled, resumable
+    rest = []
+    with httpx.stream("POST", f"{url}/v1/completions", json={}, headers={"Last-Event-ID": last}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for _, data in sse_events(r.iter_lines()):
+            if data == "[DONE]":
+                break
+            assert "error" not in data, data
+            if data["choices"]:
+                rest += data["choices"][0]["token_ids"]
+    assert ids + rest == want
 
 
 @pytest.mark.slow
