@@ -255,8 +255,9 @@ def test_served_head_in_the_target_resumes_from_redis(heads, head_in_target):
     committed tokens in Redis (its target slot, and the head's with it, read them again) and the whole output is the
     engine's."""
     url, model = head_in_target
-    want = engine_steps(heads, heads["eagle3"], GREEDY, max_tokens=120)[1].token_ids
-    body = {"model": model, "prompt": PROMPT, "stream": True, "ignore_eos": True, "max_tokens": 120, **GREEDY}
+    # Long enough that the cancellation reaches the coordinator before the request could finish.
+    want = engine_steps(heads, heads["eagle3"], GREEDY, max_tokens=240)[1].token_ids
+    body = {"model": model, "prompt": PROMPT, "stream": True, "ignore_eos": True, "max_tokens": 240, **GREEDY}
     ids, last = [], None
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
         for n, (eid, data) in enumerate(sse_events(r.iter_lines())):
@@ -265,7 +266,7 @@ def test_served_head_in_the_target_resumes_from_redis(heads, head_in_target):
                 last = eid
             if n == 2:
                 break  # the connection closes: the request is cancelled, resumable
-    rest = []
+    rest, final = [], None
     with httpx.stream("POST", f"{url}/v1/completions", json={}, headers={"Last-Event-ID": last}, timeout=120) as r:
         assert r.status_code == 200, r.read()
         for _, data in sse_events(r.iter_lines()):
@@ -274,7 +275,11 @@ def test_served_head_in_the_target_resumes_from_redis(heads, head_in_target):
             assert "error" not in data, data
             if data["choices"]:
                 rest += data["choices"][0]["token_ids"]
+            else:
+                final = data
     assert ids + rest == want
+    # the resumed loop generated the end: its target call missed (a fresh slot) and re-prefilled target and head
+    assert final["speculation"]["target_replays"] >= 1 and final["speculation"]["drafted"] > 0
 
 
 @pytest.mark.slow
