@@ -139,6 +139,14 @@ class DrafterConfig(_Strict):
     kv_cache_fraction: float = Field(
         0.9, gt=0, le=1, description="As target.kv_cache_fraction, for a drafter worker (CUDA only).")
     batch_wait_ms: float = Field(0.0, ge=0, le=50, description="As for the target; 0: never wait.")
+    head_placement: Literal["target", "drafter"] = Field(
+        "target",
+        description="Where a feature head (draft 'eagle3:DIR' or 'medusa:DIR') runs. 'target': inside the target "
+        "worker, which drafts each step's block itself right before verifying it (no hop; the head's cache slot "
+        "lives with the request's target slot). 'drafter': on drafter replicas, fed with the target's hidden states "
+        "of the committed positions that each verdict carries (EAGLE-3: the three auxiliary layers' states; Medusa: "
+        "the final normed state); no pre-speculation. Ignored for other drafters.",
+    )
     device: str = "cpu"
     dtype: str = "float32"
 
@@ -150,9 +158,9 @@ class DrafterConfig(_Strict):
                              f"(folder, .gguf or shipped name), '{HYBRID_PREFIX}MODEL' or '{NO_DRAFT}'")
         if is_synthetic(v):
             parse_synthetic(v)  # a ValueError names the expected form
-        if is_head(v):
-            raise ValueError(f"drafter.draft={v!r}: feature heads (medusa:DIR, eagle3:DIR) run in process only "
-                             "(specserve generate, bench, SpeculativeEngine); Serve does not place them yet")
+        if is_head(v) and v.startswith(HYBRID_PREFIX):
+            raise ValueError(f"drafter.draft={v!r}: Serve places a feature head alone (medusa:DIR, eagle3:DIR), "
+                             "not behind prompt lookup")
         if is_self(v) or (v.startswith(HYBRID_PREFIX) and is_self(v[len(HYBRID_PREFIX):])):
             raise ValueError(f"drafter.draft={v!r}: self-speculation drafts with the target's own cache, in process "
                              "only (specserve generate, bench, SpeculativeEngine); Serve does not place it")
@@ -170,8 +178,23 @@ class DrafterConfig(_Strict):
 
     @property
     def uses_model(self) -> bool:
-        """Whether this app runs drafter replicas."""
+        """Whether this app drafts with a draft model (on drafter replicas)."""
         return self.model is not None
+
+    @property
+    def head(self) -> Optional[str]:
+        """The feature head ('eagle3:DIR', 'medusa:DIR') if the drafter is one, else None."""
+        return self.draft if is_head(self.draft) else None
+
+    @property
+    def head_in_target(self) -> bool:
+        """Whether the target workers run the feature head (head_placement 'target')."""
+        return self.head is not None and self.head_placement == "target"
+
+    @property
+    def runs_drafters(self) -> bool:
+        """Whether this app runs drafter replicas: a draft model, or a feature head placed on them."""
+        return self.uses_model or (self.head is not None and self.head_placement == "drafter")
 
     def with_model(self, model: str) -> "DrafterConfig":
         """The same drafter with its model named by `model` (e.g. the resolved folder)."""
@@ -185,7 +208,8 @@ class CoordinatorConfig(_Strict):
     max_ongoing_requests: int = Field(256, ge=1, description="Concurrent request loops per coordinator.")
     overlap: bool = Field(
         True, description="Draft the next block while the current one is verified (optimistic: assumes "
-        "every draft token and the drafter's guess of the bonus token are accepted; discarded otherwise)."
+        "every draft token and the drafter's guess of the bonus token are accepted; discarded otherwise). Not with "
+        "a feature head: its next draft needs the target's states of the step's outcome."
     )
     prespec_branches: int = Field(
         PRESPEC_BRANCHES, ge=1, le=16,
@@ -303,6 +327,13 @@ class AppConfig(_Strict):
         return v
 
     @model_validator(mode="after")
+    def _head_needs_one_shard(self) -> "AppConfig":
+        if self.drafter.head is not None and self.target.tensor_parallel_size > 1:
+            raise ValueError(f"drafter.draft={self.drafter.draft!r}: a feature head reads the target's hidden states, "
+                             "which a tensor-parallel target does not return (target.tensor_parallel_size must be 1)")
+        return self
+
+    @model_validator(mode="after")
     def _tls_needs_rediss(self) -> "AppConfig":
         if self.redis_tls is not None and not (self.redis_url or "").startswith("rediss://"):
             raise ValueError("redis_tls applies to an external Redis over TLS: set redis_url to rediss://...")
@@ -374,7 +405,7 @@ def deployment_options(config: AppConfig) -> dict[str, dict[str, Any]]:
     out[TARGET] = _model_deployment_options(
         TARGET, config.target.resources, config.target.tensor_parallel_size, max_ongoing_requests=64
     )
-    if config.drafter.uses_model:
+    if config.drafter.runs_drafters:
         out[DRAFTER] = _model_deployment_options(
             DRAFTER, config.drafter.resources, 1, max_ongoing_requests=64
         )

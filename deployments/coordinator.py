@@ -21,6 +21,11 @@ Per step (step t of a request with committed context C_t, last token "pending"),
 Failures: a lost drafter -> another drafter, else target-only steps; a lost target -> another target,
 rebuilt from the committed token ids (prefill); a cache miss -> the same with the prefix.
 
+Feature heads (`drafter.head_placement`): in the target, a verify call asks the target worker's head for the step's
+draft (`head_draft`), which it drafts right before verifying it; on a drafter replica, each verdict brings the
+target's states of the newly committed positions (`HeadFeatures`), which the next propose call takes to the
+drafter. Neither pre-speculates: a head's next draft needs the states of the step's outcome.
+
 Admission (deployments.admission): before its first step a request takes a KV-cache slot on a target worker
 (`_admit`: the least loaded one; when its queue is full, the next; when every one is full, HTTP 429), waiting there
 in FIFO order while all slots are held, then one on its drafter worker. It keeps them until it finishes, fails, is
@@ -46,6 +51,7 @@ from deployments.config import DRAFTER, TARGET, AppConfig
 from deployments.messages import (
     ErrorEvent,
     GenerateRequest,
+    HeadFeatures,
     PrespecCall,
     ProposeCall,
     StepEvent,
@@ -103,6 +109,10 @@ class _Run:
     queue_wait_s: float = 0.0  # time spent waiting for KV-cache slots (target and drafter)
     # accepted length of a step verified while pre-speculation was in flight -> [steps, steps a branch matched]
     prespec_by_accepted: dict[int, list[int]] = field(default_factory=dict)
+    # A feature head on a drafter replica: the target's states not yet sent to it, and whether it needs them all
+    # again (it lost the request: the next verify call re-prefills the target, which returns the prefix's states)
+    head_features: Optional[HeadFeatures] = None
+    head_refeed: bool = False
     counters: dict[str, int] = field(default_factory=lambda: {
         "overlap_tries": 0, "overlap_hits": 0, "target_replays": 0, "target_failovers": 0,
         "drafter_failovers": 0, "steps_without_draft": 0, "preemptions": 0})
@@ -119,7 +129,9 @@ class Coordinator:
         ctx = serve.get_replica_context()
         self.targets = WorkerPool(ctx.app_name, TARGET)
         d = self.cfg.drafter
-        self.drafters = WorkerPool(ctx.app_name, DRAFTER) if d.uses_model else None  # the model part, remote
+        self.drafters = WorkerPool(ctx.app_name, DRAFTER) if d.runs_drafters else None  # the model part, remote
+        self.head_in_target = d.head_in_target  # the target workers draft with a feature head themselves
+        self.head_on_drafter = d.head is not None and not d.head_in_target
         # Prompt lookup (alone or before the model: hybrid) or suffix decoding, in-process. Suffix decoding's store of
         # finished outputs is this replica's own (pipeline.suffix says why it is not shared through Redis).
         self.lookup = lookup_part(d.draft)
@@ -264,10 +276,17 @@ class Coordinator:
         accept (on a target worker, batched there with other requests' rows), commit."""
         t0 = time.perf_counter()
         [want], adapt = draft_budgets([state], run.spec.num_draft_tokens, self.k_policy, max(self.active, 1))
-        draft, answer = await self._draft(run, state, want) if want > 0 else (Draft([]), None)
+        if self.head_in_target or want == 0:
+            draft, answer = Draft([]), None
+        else:
+            draft, answer = await self._draft(run, state, want)
         t1 = time.perf_counter()
         call = VerifyCall(request_id=state.request_id, start=state.length - 1, pending=state.last_token, draft=draft,
                           params=state.params, step=state.step, epoch=run.epoch)
+        if self.head_in_target:
+            call.head_draft, call.draft_top_k = want, run.spec.draft_top_k
+        if run.head_refeed:  # the drafter's head needs the prefix's states: the target prefills again
+            call.prefix, run.head_refeed = state.context[:-1], False
         verify_task = asyncio.ensure_future(self._verify(run, call, state))
         if answer is not None and self._overlap_wanted(run, state.step + 1):
             self._prespeculate(run, state, draft, answer)
@@ -278,6 +297,9 @@ class Coordinator:
             verify_task.cancel()
             raise
         t2 = time.perf_counter()
+        if self.head_on_drafter and isinstance(verdict.features, HeadFeatures):
+            had = run.head_features
+            run.head_features = verdict.features if had is None else had.then(verdict.features)
         run.timing["draft_s"] += t1 - t0
         run.timing["verify_s"] += t2 - t1
         k, num_accepted = verdict.num_draft, verdict.num_accepted
@@ -303,7 +325,7 @@ class Coordinator:
         if predrafted:
             hit = run.pre is not None and run.pre.hit >= 0
             run.overlap_hit_rate = 0.7 * run.overlap_hit_rate + 0.3 * hit
-        if want > 0 and not draft.tokens:
+        if want > 0 and k == 0:
             run.counters["steps_without_draft"] += 1  # no drafter reachable, or prompt lookup found nothing
         event = StepEvent(expected_step, committed, text, state.finish_reason)
         if state.finished:
@@ -344,6 +366,12 @@ class Coordinator:
                 return Draft(found[0]), None
         if self.drafters is None:
             return Draft([]), None
+        if self.head_on_drafter and run.drafter_base < 0 and (
+                run.head_features is None or run.head_features.start > 0):
+            # The drafter's head knows nothing of this request, and the states it needs are gone: a step without
+            # drafts, whose verify call re-prefills the target to send them all.
+            run.head_features, run.head_refeed = None, True
+            return Draft([]), None
         length = state.length
         pre = run.pre
         if pre is not None and pre.step == state.step and pre.hit >= 0:
@@ -375,7 +403,7 @@ class Coordinator:
                     continue
             base = run.drafter_base if run.drafter_base >= 0 else 0
             call = ProposeCall(state.request_id, base, state.context_view[base:], want + extra, state.params,
-                               state.step, run.spec.draft_top_k, run.epoch)
+                               state.step, run.spec.draft_top_k, run.epoch, features=run.head_features)
             try:
                 got = await asyncio.wait_for(_call(run.drafter_handle.propose, call),
                                              self.cfg.coordinator.draft_timeout_s)
@@ -388,15 +416,19 @@ class Coordinator:
                 raise _taken_over()
             if got == CACHE_MISS:
                 run.drafter_base = -1
+                if self.head_on_drafter:  # its head lacks states: resent after the target's next prefill
+                    run.head_features, run.head_refeed = None, True
+                    return Draft([]), None
                 continue
             run.drafter_base = length
+            run.head_features = None  # the head has read them
             return got.head(want), got
         return Draft([]), None
 
     def _overlap_wanted(self, run: _Run, step: int) -> bool:
         """Pre-draft for `step`? Only while pre-drafts get used often enough: a wasted one costs drafter time
         the real draft then waits for. Requests where they rarely hit still probe now and then."""
-        return self.cfg.coordinator.overlap and (
+        return self.cfg.coordinator.overlap and self.cfg.drafter.head is None and (
             run.overlap_hit_rate >= OVERLAP_MIN_HIT_RATE or step % OVERLAP_PROBE_EVERY == 0)
 
     def _prespeculate(self, run: _Run, state: RequestState, draft: Draft, answer: Draft) -> None:

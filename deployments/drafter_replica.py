@@ -7,6 +7,13 @@ the whole context). A worker that holds less than `base` (restarted, request mov
 the coordinator resends with base 0. The drafter's own KV cache keeps the longest prefix that still
 matches, so a block drafted optimistically and then rejected costs nothing to roll back.
 
+A feature head (`drafter.head_placement: drafter`, `pipeline.heads.drafter.HeadDrafter`) mirrors the context the
+same way and reads, from each call's `features`, the target's states of the positions committed since the last call
+(`messages.HeadFeatures`). Before it drafts it must have read exactly the committed positions but the pending
+token's; else (restarted, moved, or states it never got) it answers CACHE_MISS, and the coordinator has the target
+re-prefill the request, which sends the states of the whole prefix. It loads the target model for the weights it
+shares (EAGLE-3: the embedding; Medusa: the output layer); no pre-speculation.
+
 Slots (deployments.admission): a request acquires one (`admit`, after its target slot, so two requests never wait
 for each other's) before it drafts here and keeps it until it is released; while all are held the next request
 waits its turn instead of evicting another one's cache.
@@ -28,9 +35,10 @@ from deployments.config import DRAFTER, AppConfig
 from deployments.messages import PrespecCall, ProposeCall
 from deployments.workers import CACHE_MISS, STALE, EpochFence, ModelHost, kv_slots, spawn_workers, warm_up
 from pipeline.compat import IncompatibleDrafter
-from pipeline.config import is_synthetic
+from pipeline.config import is_head, is_synthetic
 from pipeline.cross_tokenizer import CrossTokenizerDrafter, cross_tokenizer_problem, same_vocabulary
 from pipeline.drafters import ModelDrafter, ProposeRow
+from pipeline.heads.drafter import HeadDrafter
 from pipeline.models.graphs import graphs_on_cuda
 from pipeline.models.loader import load_model, load_tokenizer
 from pipeline.models.store import DEMO_TARGET, resolve
@@ -53,6 +61,10 @@ class DrafterWorker:
         prespec_branches: int = 0,  # KV-cache slots per request for pre-speculated branches (pipeline.prespec)
     ) -> None:
         torch.set_num_threads(torch_threads)
+        self._head_read: dict[str, int] = {}  # a feature head: request id -> committed positions [0, n) it has read
+        if is_head(model):
+            self._init_head(model, max_batch_size, max_seq_len, device, dtype, batch_wait_ms, target)
+            return
         if is_synthetic(model):  # a measurement aid: a random-weight model of a shape, the recorded continuation
             synthetic = SyntheticDrafter.from_spec(model, device=device, dtype=dtype)
             runner = synthetic.model
@@ -93,7 +105,25 @@ class DrafterWorker:
         self.prespec_rows = 0  # branch rows drafted (statistics)
         self.compute_s = 0.0
 
+    def _init_head(self, spec: str, max_batch_size: int, max_seq_len: int, device: str, dtype: str,
+                   batch_wait_ms: float, target: Optional[str]) -> None:
+        """A feature head on the target model's shared weights (the target's KV cache is never allocated here)."""
+        runner, _ = load_model(str(resolve(target)), device=device, dtype=dtype)
+        self.drafter = HeadDrafter.from_spec(spec, runner)
+        self.drafter.allocate(max_batch_size, max_seq_len + CACHE_SLACK)
+        self._head_info = {"name": self.drafter.name, "path": spec, "vocab_size": runner.info.vocab_size}
+        self.branches = 0
+        self._ctx = {}
+        self.epochs = EpochFence()
+        self.slots = SlotQueue(max_batch_size, max_waiting=1 << 30, on_free=self._free_later,
+                               on_queue=lambda n: metrics.set_admission_queue(n, DRAFTER.lower()))
+        self.batcher = StepBatcher(self._run_batch, max_batch_size, batch_wait_ms, name="drafter")
+        self.prespec_rows = 0
+        self.compute_s = 0.0
+
     async def info(self) -> dict[str, Any]:
+        if isinstance(self.drafter, HeadDrafter):
+            return self._head_info
         i = self.drafter.model.info
         return {"name": i.name, "path": i.path, "vocab_size": i.vocab_size}
 
@@ -149,6 +179,7 @@ class DrafterWorker:
     def _release(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             self._ctx.pop(rid, None)
+            self._head_read.pop(rid, None)
             self.epochs.forget(rid)
             for key in group_keys(rid, self.branches):
                 self.drafter.release(key)
@@ -180,6 +211,9 @@ class DrafterWorker:
             else:
                 self._ctx[c.request_id] = ctx
                 wanted = [(ctx, c.num_draft)]
+                if isinstance(self.drafter, HeadDrafter) and not self._head_reads(c, ctx):
+                    results[b] = CACHE_MISS
+                    continue
             group = group_keys(c.request_id, self.branches)
             held_by = {k: self.drafter.cached(k) for k in group} if self.branches else {}
             keys = assign_keys(group, held_by, [w for w, _ in wanted])
@@ -196,8 +230,9 @@ class DrafterWorker:
             with torch.inference_mode():
                 catch_up(self.drafter, rows)
                 block = propose(self.drafter, rows, sampling, step_t, top_k).to("cpu")
+            drafted = block.num_draft.tolist()  # a head may draft fewer (Medusa: one token a head)
             for r, (b, j) in enumerate(owners):
-                draft = Draft.of(block, r, rows[r].num_draft)
+                draft = Draft.of(block, r, min(rows[r].num_draft, drafted[r]))
                 if j < 0:
                     results[b] = draft
                 else:
@@ -206,6 +241,20 @@ class DrafterWorker:
         self.compute_s += time.perf_counter() - t0
         metrics.record_draft_latency(time.perf_counter() - t0, scope="compute")
         return results
+
+    def _head_reads(self, call: ProposeCall, ctx: list[int]) -> bool:
+        """The feature head reads the call's states (each position paired with the committed token after it)
+        -> whether it has now read exactly positions [0, len(ctx) - 1), as drafting needs."""
+        rid, f = call.request_id, call.features
+        if f is not None and f.start <= self._head_read.get(rid, 0) and f.start + f.length < len(ctx):
+            if f.start == 0:
+                self.drafter.release(rid)
+            self.drafter.admit(rid, ())
+            head_dtype = next(self.drafter.head.parameters()).dtype
+            self.drafter.observe(rid, f.start, f.tensor().to(self.drafter.device, head_dtype),
+                                 ctx[f.start + 1: f.start + 1 + f.length])
+            self._head_read[rid] = f.start + f.length
+        return self._head_read.get(rid) == len(ctx) - 1
 
 
 class DrafterServer(ModelHost):
@@ -216,7 +265,7 @@ class DrafterServer(ModelHost):
         d = cfg.drafter
         self.workers = spawn_workers(
             DrafterWorker, DRAFTER, d.resources, 1,
-            model=d.model, max_batch_size=d.max_batch_size, max_seq_len=cfg.target.max_seq_len,
+            model=d.model or d.head, max_batch_size=d.max_batch_size, max_seq_len=cfg.target.max_seq_len,
             device=d.device, dtype=d.dtype, torch_threads=d.resources.torch_threads, batch_wait_ms=d.batch_wait_ms,
             kv_cache_gb=d.kv_cache_gb, kv_cache_fraction=d.kv_cache_fraction, target=cfg.target.model or DEMO_TARGET,
             prespec_branches=cfg.coordinator.prespec_branches if cfg.coordinator.overlap else 0,

@@ -13,6 +13,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
+import numpy as np
+import torch
+
 from pipeline.config import SamplingParams, SpecParams
 from pipeline.step import Draft
 
@@ -34,6 +37,42 @@ class GenerateRequest:
 
 
 @dataclass
+class HeadFeatures:
+    """The target's hidden states that a feature head on a drafter replica reads, for committed positions
+    start..start+n-1 (`drafter.head_placement: drafter`): a target worker's verdict carries those of the pending token
+    and the accepted drafts (and, after a prefill, of the whole prefix first), the next `ProposeCall` takes them to
+    the drafter. EAGLE-3: the three auxiliary layers' states concatenated; Medusa: the final normed state. The raw
+    bits of the target's dtype travel as a numpy array (a bfloat16 row of an 8B model's three states: 24 KB)."""
+
+    start: int
+    states: np.ndarray  # [n, F] in the target's dtype (16-bit types as int16 bit patterns)
+    dtype: str  # torch dtype name, e.g. "float32", "bfloat16"
+
+    @classmethod
+    def of(cls, start: int, states: torch.Tensor) -> "HeadFeatures":
+        t = states.detach().to("cpu").contiguous()
+        raw = t.view(torch.int16) if t.element_size() == 2 else t
+        return cls(start, raw.numpy().copy(), str(t.dtype).removeprefix("torch."))
+
+    @property
+    def length(self) -> int:
+        return int(self.states.shape[0])
+
+    def tensor(self) -> torch.Tensor:  # [n, F]
+        t = torch.from_numpy(self.states)
+        dtype = getattr(torch, self.dtype)
+        return t.view(dtype) if t.dtype != dtype else t
+
+    def then(self, later: "HeadFeatures") -> "HeadFeatures":
+        """These states followed by `later`'s (which replace any they overlap: the request was rewound)."""
+        keep = later.start - self.start
+        if keep < 0:
+            return later
+        assert keep <= self.length, f"a gap in the head's features: {self.start}+{self.length} < {later.start}"
+        return HeadFeatures(self.start, np.concatenate([self.states[:keep], later.states]), self.dtype)
+
+
+@dataclass
 class ProposeCall:
     """A coordinator asking a drafter worker for one request's drafts (the worker mirrors the context)."""
 
@@ -45,6 +84,7 @@ class ProposeCall:
     step: int  # the target pass these drafts are for (randomness key)
     draft_top_k: int
     epoch: int = 1  # the caller's ownership epoch of the request (workers refuse older ones: `EpochFence`)
+    features: Optional[HeadFeatures] = None  # a feature head's input not yet sent (head on the drafter replica)
 
 
 @dataclass
@@ -75,11 +115,14 @@ class VerifyCall:
     step: int  # the request's target-pass counter (randomness key)
     prefix: Optional[list[int]] = None  # committed tokens [0, start) when the cache may lack them
     epoch: int = 1  # the caller's ownership epoch of the request (workers refuse older ones: `EpochFence`)
+    head_draft: int = 0  # tokens the target worker's own feature head drafts for this pass (`draft` is then empty)
+    draft_top_k: int = 0  # with head_draft: the sparse draft distribution's width
 
     @property
     def cost(self) -> int:
         """Tokens this call feeds (StepBatcher bounds prefills per pass with it)."""
-        return 1 + len(self.draft.tokens) + (min(len(self.prefix), PREFILL_CHUNK) if self.prefix else 0)
+        drafts = len(self.draft.tokens) + self.head_draft
+        return 1 + drafts + (min(len(self.prefix), PREFILL_CHUNK) if self.prefix else 0)
 
 
 @dataclass

@@ -19,6 +19,15 @@ coordinator queues it again.
 Prefill is chunked: a prefix is fed PREFILL_CHUNK tokens per target pass (the row goes back into the queue
 until done, then verifies in the same pass as its last chunk), so a long prompt does not stall the decode
 steps of the requests already running on the replica.
+
+Feature heads (`drafter.head_placement`, `pipeline.heads.drafter.HeadDrafter`):
+- 'target': the worker holds the head. A call asks for `head_draft` tokens; the pass drafts them with the head
+  (`pipeline.step.propose`), verifies them and lets the head read the target's states of the newly committed
+  positions, as the engine's step does. The head's cache slot lives and dies with the request's target slot: a
+  prefill (the first call, or a resend with `prefix` after a restart or a miss) lets it read the prefix afresh, and
+  a call whose head has not read exactly the committed positions [0, start) is answered CACHE_MISS.
+- 'drafter': each verdict carries the states a head on a drafter replica reads (`messages.HeadFeatures`): those of
+  the pending token and the accepted drafts, after a prefill those of the prefix first.
 """
 
 from __future__ import annotations
@@ -34,13 +43,15 @@ from deployments import metrics, tracing
 from deployments.admission import PREEMPTED, QUEUE_FULL, QueueFull, SlotQueue
 from deployments.batching import AGAIN, StepBatcher
 from deployments.config import TARGET, AppConfig
-from deployments.messages import PREFILL_CHUNK, VerifyCall
+from deployments.messages import PREFILL_CHUNK, HeadFeatures, VerifyCall
 from deployments.tp_group import leader_runner, spawn_tensor_parallel_workers
 from deployments.workers import CACHE_MISS, STALE, EpochFence, ModelHost, kv_slots, spawn_workers, warm_up
+from pipeline.drafters import ProposeRow
+from pipeline.heads.drafter import HeadDrafter
 from pipeline.models.graphs import graphs_on_cuda
 from pipeline.models.loader import load_model
 from pipeline.sampling import SamplingTensors
-from pipeline.step import CACHE_SLACK, Verdict, pack, verify_and_accept
+from pipeline.step import CACHE_SLACK, Verdict, pack, propose, verify_and_accept
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +66,8 @@ class TargetWorker:
         dtype: str = "float32", torch_threads: int = 1, batch_wait_ms: float = 1.0,
         rank: int = 0, world_size: int = 1, tp_init_method: Optional[str] = None, tp_allreduce: str = "auto",
         kv_cache_gb: Optional[float] = None, kv_cache_fraction: float = 0.9, max_waiting: int = 64,
+        head: Optional[str] = None,  # a feature head ('eagle3:DIR', 'medusa:DIR') that reads this target's states
+        head_in_target: bool = True,  # run it here (else return the states it reads with each verdict)
     ) -> None:
         assert rank == 0, "ranks > 0 of a tensor-parallel replica are tp_group.RankFollower actors"
         torch.set_num_threads(torch_threads)
@@ -71,6 +84,16 @@ class TargetWorker:
         warm_up(self.model, num_slots, "target")
         self.device = torch.device(device)
         self.num_slots = num_slots
+        self.head: Optional[HeadDrafter] = None  # the feature head this worker runs (head_in_target)
+        self.feature_layers: tuple[int, ...] = ()  # the states a pass computes for a head, here or elsewhere
+        if head is not None:
+            drafter = HeadDrafter.from_spec(head, self.model)
+            self.feature_layers = drafter.feature_layers
+            if head_in_target:
+                drafter.allocate(num_slots, max_seq_len + CACHE_SLACK)
+                self.head = drafter
+        self._head_read: dict[str, int] = {}  # request id -> committed positions [0, n) its head has read
+        self._prefix_features: dict[str, list[torch.Tensor]] = {}  # request id -> states of a prefill in progress
         self._fed: dict[str, int] = {}  # request id -> positions [0, fed) written by its calls in its slot
         self._prefilling: dict[str, int] = {}  # request id -> prompt tokens prefilled so far (chunked)
         self.epochs = EpochFence()  # calls of a coordinator that lost the request are refused (STALE)
@@ -144,6 +167,9 @@ class TargetWorker:
         """The request's slot is no longer its own: forget what was fed there."""
         self._prefilling.pop(rid, None)
         self._fed.pop(rid, None)
+        self._prefix_features.pop(rid, None)
+        if self._head_read.pop(rid, None) is not None and self.head is not None:
+            self.head.release(rid)
 
     def _preempt(self, rid: str) -> None:
         """On the event loop, after a pass that ran out of memory: take `rid`'s slot back and retire it."""
@@ -189,14 +215,22 @@ class TargetWorker:
                     if r.start > done:  # chunked prefill: at most PREFILL_CHUNK prompt tokens per pass
                         end = min(r.start, done + PREFILL_CHUNK)
                         tokens = torch.tensor([r.prefix[done:end]], dtype=torch.int64)  # runners move it
-                        self.model.forward(tokens, torch.full((1,), done, dtype=torch.int64),
-                                           torch.tensor([slot], dtype=torch.int64), end - done - 1)
+                        args = (tokens, torch.full((1,), done, dtype=torch.int64),
+                                torch.tensor([slot], dtype=torch.int64))
+                        if self.feature_layers:
+                            states = self.model.forward_features(*args, self.feature_layers, end - done - 1)[1][0]
+                            self._prefilled(r, done, states)
+                        else:
+                            self.model.forward(*args, end - done - 1)
                         if end < r.start:  # the rest in later passes; running requests step in between
                             self._prefilling[r.request_id] = end
                             results[b] = AGAIN
                             continue
                     self._fed[r.request_id] = r.start
-                elif self._fed.get(r.request_id, -1) < r.start:
+                    if r.start == 0:
+                        self._prefilled(r, 0, None)
+                elif self._fed.get(r.request_id, -1) < r.start or (
+                        self.head is not None and self._head_read.get(r.request_id) != r.start):
                     results[b] = CACHE_MISS
                     continue
                 live.append(b)
@@ -218,11 +252,48 @@ class TargetWorker:
         positions = torch.tensor([r.start for r in rows], dtype=torch.int64)
         sampling = SamplingTensors.from_params([r.params for r in rows], dev)
         steps = torch.tensor([r.step for r in rows], dtype=torch.int64, device=dev)
-        verdicts = verify_and_accept(self.model, pending, pack([r.draft for r in rows]), positions, slots,
-                                     sampling, steps)
-        for r in rows:
-            self._fed[r.request_id] = max(self._fed.get(r.request_id, 0), r.start + 1 + len(r.draft.tokens))
+        if self.head is not None and any(r.head_draft > 0 for r in rows):  # the engine's propose, on this worker
+            heads = [ProposeRow(r.request_id, (), r.head_draft, r.params.greedy) for r in rows]
+            draft = propose(self.head, heads, sampling, steps, max(r.draft_top_k for r in rows) or 1)
+        else:
+            draft = pack([r.draft for r in rows])
+        verdicts = verify_and_accept(self.model, pending, draft, positions, slots, sampling, steps,
+                                     self.feature_layers)
+        for r, v in zip(rows, verdicts):
+            self._fed[r.request_id] = max(self._fed.get(r.request_id, 0), r.start + 1 + v.num_draft)
+            if v.features is None:
+                continue
+            if self.head is not None:  # the head reads the newly committed positions' states here
+                self.head.observe(r.request_id, r.start, v.features, v.tokens)
+                self._head_read[r.request_id] = r.start + len(v.tokens)
+                v.features = None
+            else:  # they travel to the head on a drafter replica, after the prefix's if this call prefilled
+                prefix = self._prefix_features.pop(r.request_id, None)
+                if prefix:
+                    v.features = HeadFeatures.of(0, torch.cat([*prefix, v.features]))
+                else:
+                    v.features = HeadFeatures.of(r.start, v.features)
         return verdicts
+
+    def _prefilled(self, r: VerifyCall, done: int, states: Optional[torch.Tensor]) -> None:
+        """A prefill chunk fed positions done..done+n-1 of `r.prefix` and computed their states [n, F] (None: an
+        empty prefix): the head reads them here, or they wait to travel with the verdict."""
+        rid = r.request_id
+        if done == 0:  # a prefill from the start: the head reads the request afresh
+            self._prefix_features.pop(rid, None)
+            if self.head is not None:
+                self.head.release(rid)
+                self.head.admit(rid, ())
+                self._head_read[rid] = 0
+        if states is None:
+            return
+        n = states.shape[0]
+        if self.head is not None:
+            follow = (list(r.prefix) + [r.pending])[done + 1: done + 1 + n]  # the token after each position
+            self.head.observe(rid, done, states, follow)
+            self._head_read[rid] = done + n
+        else:
+            self._prefix_features.setdefault(rid, []).append(states)
 
 
 class TargetServer(ModelHost):
@@ -238,6 +309,7 @@ class TargetServer(ModelHost):
             dtype=t.dtype, torch_threads=t.resources.torch_threads, batch_wait_ms=t.batch_wait_ms,
             kv_cache_gb=t.kv_cache_gb, kv_cache_fraction=t.kv_cache_fraction, max_waiting=t.max_waiting,
             **({"tp_allreduce": t.tp_allreduce} if t.tensor_parallel_size > 1 else {}),
+            **({"head": cfg.drafter.head, "head_in_target": cfg.drafter.head_in_target} if cfg.drafter.head else {}),
         )
         self._info = await self.workers[0].info.remote()  # waits for the model to load
 

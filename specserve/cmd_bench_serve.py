@@ -27,8 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="coordinator.prespec_branches: outcomes pre-speculated a step (default: the config's)")
     p.add_argument("--fixed-k", action="store_true", help="K every step, in the engine and the coordinator alike")
     p.add_argument("--draft", default=None,
-                   help="'prompt-lookup', a drafter model folder, or 'lookup+MODEL' (default: the demo target's "
-                        "default drafter, as `specserve serve` deploys it)")
+                   help="'prompt-lookup', a drafter model folder, 'lookup+MODEL', or a feature head 'eagle3:DIR' / "
+                        "'medusa:DIR' (default: the demo target's default drafter, as `specserve serve` deploys it)")
+    p.add_argument("--head-placement", choices=("target", "drafter"), default="target",
+                   help="with a feature head: drafter.head_placement (in the target workers, or on drafter replicas)")
     p.add_argument("--api-key", default=None,
                    help="the deployed app takes this key and the clients send it (default: the first key of "
                         "$SPECSERVE_API_KEY; unset: no key)")

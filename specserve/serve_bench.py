@@ -32,7 +32,7 @@ from ray import serve
 from deployments.app import build_app
 from deployments.ray_env import apply_ray_defaults
 from pipeline import envs
-from pipeline.config import EngineConfig, SamplingParams, SpecParams
+from pipeline.config import EngineConfig, SamplingParams, SpecParams, is_head
 from pipeline.drafters import HYBRID_PREFIX, draft_model_spec
 from pipeline.engine import SpeculativeEngine, default_draft
 from pipeline.models.store import resolve
@@ -111,7 +111,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     quiet = {"log_level": "WARNING", "enable_access_log": False}
     serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=quiet)
     cfg = {"target": {"model": target, "max_seq_len": 2048, "resources": {"torch_threads": args.threads}},
-           "drafter": {"draft": draft, "resources": {"torch_threads": args.threads}},
+           "drafter": {"draft": draft, "resources": {"torch_threads": args.threads},
+                       **({"head_placement": args.head_placement} if is_head(draft) else {})},
            "speculation": {"num_draft_tokens": args.num_draft_tokens},
            "coordinator": {"overlap": not args.no_overlap, "adaptive_k": not args.fixed_k}}
     if getattr(args, "prespec_branches", None) is not None:
@@ -162,6 +163,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "target": target,
         "drafter": draft if model_part is None else draft.replace(model_path, Path(model_path).name),
+        "head_placement": args.head_placement if is_head(draft) else None,
         "k": args.num_draft_tokens, "max_tokens": args.max_tokens, "threads": args.threads, "prompts": len(prompts),
         "overlap": not args.no_overlap, "load_average_start": os.getloadavg(),
         "single": {"engine": agg(single["engine"]), "http": agg(single["http"]), "greedy_mismatches": mismatches,

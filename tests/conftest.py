@@ -49,7 +49,8 @@ RAY_SESSIONS = {
     "ray-apps": ("tests/deployments/test_admission_serve.py", "tests/deployments/test_api_keys.py",
                  "tests/deployments/test_app.py", "tests/deployments/test_demo_app.py",
                  "tests/deployments/test_fuzz.py", "tests/deployments/test_ingress_strict.py",
-                 "tests/deployments/test_one_step.py", "tests/deployments/test_prespec.py"),
+                 "tests/deployments/test_one_step.py", "tests/deployments/test_prespec.py",
+                 "tests/deployments/test_serve_heads.py"),
 }
 OWN_SERVERS = ("tests/specserve/test_served.py", "tests/specserve/test_serve_signals.py", "tests/ops/test_soak.py")
 FIRST = "tests/ops/test_ray_up.py"

@@ -1,16 +1,36 @@
-"""A Serve config refuses the feature-head and self-speculation drafter words with the reason (they run in process
-only)."""
+"""A Serve config takes a feature head alone (placed in the target or on drafter replicas), refuses one behind prompt
+lookup, and refuses the self-speculation drafter words with the reason (they run in process only)."""
 
 from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
 
-from deployments.config import DrafterConfig
+from deployments.config import DRAFTER, AppConfig, DrafterConfig, deployment_options
 
 
-@pytest.mark.parametrize("word", ["eagle3:/heads/e3", "medusa:/heads/m", "lookup+eagle3:/heads/e3", "self",
-                                  "self:window=256,sinks=4", "lookup+self"])
-def test_feature_heads_are_refused_in_a_serve_config(word):
+@pytest.mark.parametrize("word", ["self", "self:window=256,sinks=4", "lookup+self"])
+def test_self_speculation_is_refused_in_a_serve_config(word):
     with pytest.raises(ValidationError, match="in process only"):
         DrafterConfig(draft=word)
+
+
+def test_a_feature_head_behind_prompt_lookup_is_refused():
+    with pytest.raises(ValidationError, match="feature head alone"):
+        DrafterConfig(draft="lookup+eagle3:/heads/e3")
+
+
+@pytest.mark.parametrize("word", ["eagle3:/heads/e3", "medusa:/heads/m"])
+def test_a_feature_head_runs_drafter_replicas_only_when_placed_there(word):
+    in_target = AppConfig(drafter={"draft": word})
+    assert in_target.drafter.head == word and in_target.drafter.head_in_target
+    assert DRAFTER not in deployment_options(in_target) and not in_target.drafter.uses_model
+    on_drafter = AppConfig(drafter={"draft": word, "head_placement": "drafter"})
+    assert not on_drafter.drafter.head_in_target and DRAFTER in deployment_options(on_drafter)
+    with pytest.raises(ValidationError):
+        DrafterConfig(draft=word, head_placement="ingress")
+
+
+def test_a_feature_head_needs_a_target_of_one_shard():
+    with pytest.raises(ValidationError, match="tensor_parallel_size must be 1"):
+        AppConfig(drafter={"draft": "eagle3:/heads/e3"}, target={"tensor_parallel_size": 2})

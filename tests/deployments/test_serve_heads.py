@@ -1,0 +1,294 @@
+"""Feature heads (EAGLE-3, Medusa; random weights in the published layouts) in the Serve pipeline, in both placements
+(`drafter.head_placement`): inside the target worker, and on a drafter replica fed with the target's states.
+
+The first tests drive the worker classes by hand (no Ray), the coordinator's loop in miniature, against the
+in-process engine: with the head in the target every step is the engine's (greedy and seeded); with the head on a
+drafter replica the first step has no draft (the head has read nothing yet) and the output is the target's greedy
+output, a seeded request replays; a target worker that restarts mid-request re-prefills and its head reads the
+committed tokens again. The last ones run one app per placement (real Ray, real Redis, HTTP): greedy output equals the
+engine's token for token, seeded requests replay (and, head in the target, equal the engine's), and a request resumed
+from Redis (Last-Event-ID after the client left) ends with the engine's tokens.
+
+Sampled outputs follow the target's distribution because the steps are the engine's (`pipeline.step`, the same
+verification and acceptance code); the distribution test with its negative control runs on the engine
+(tests/pipeline/heads/test_heads.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from tests.support.heads import make_eagle3_checkpoint, make_medusa_checkpoint
+from tests.support.models import make_tiny_llama
+from tests.support.serve import run_app, sse_events
+
+V = 128
+K = 3
+MAX_SEQ_LEN = 256
+PROMPT = [1, 5, 9, 17, 33, 65, 7, 7, 8]
+GREEDY = {"temperature": 0.0}
+SEEDED = {"temperature": 0.9, "top_p": 0.95, "seed": 7}
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve_heads")
+    target = make_tiny_llama(root / "target", vocab_size=V, hidden=32, layers=6, heads=4, kv_heads=2,
+                             max_position_embeddings=512, seed=11)
+    cfg = json.loads((target / "config.json").read_text())
+    return {
+        "target": str(target),
+        "eagle3": f"eagle3:{make_eagle3_checkpoint(root / 'eagle3', cfg, draft_vocab=96, seed=3)}",
+        "medusa": f"medusa:{make_medusa_checkpoint(root / 'medusa', 32, V, heads=3, layers=1, seed=1)}",
+    }
+
+
+def engine_steps(heads, word: str, sampling: dict, max_tokens: int = 40) -> tuple[list[list[int]], object]:
+    """The in-process engine's steps (token ids committed per target pass) and its result."""
+    from pipeline.config import EngineConfig, SamplingParams, SpecParams
+    from pipeline.drafters import build_drafter
+    from pipeline.engine import SpeculativeEngine
+    from pipeline.models.loader import load_model
+
+    model, tok = load_model(heads["target"])
+    drafter = build_drafter(word, model.info, tok, target=model)
+    engine = SpeculativeEngine(model, tok, drafter, EngineConfig(max_batch_size=2, max_seq_len=MAX_SEQ_LEN))
+    events = list(engine.stream(PROMPT, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling),
+                                SpecParams(K)))
+    return [e.token_ids for e in events], events[-1].result
+
+
+def run_target_placement(heads, word: str, params, restart_at: int = -1) -> tuple[list[list[int]], object]:
+    """The coordinator's loop with the head in the target worker: each verify call asks for the step's draft.
+    restart_at: before that step, the worker is replaced by a fresh one (a restarted replica) and the call carries
+    the committed tokens, as after a CACHE_MISS."""
+    from deployments.messages import VerifyCall
+    from deployments.target_replica import TargetWorker
+    from deployments.workers import CACHE_MISS
+    from pipeline.sequence import RequestState
+    from pipeline.step import Draft, commit, draft_budgets
+
+    def worker():
+        w = TargetWorker(heads["target"], max_batch_size=2, max_seq_len=MAX_SEQ_LEN, head=word)
+        asyncio.run(w.admit("r"))
+        return w
+
+    target = worker()
+    state = RequestState("r", list(PROMPT), params)
+    steps: list[list[int]] = []
+    while not state.finished:
+        if len(steps) == restart_at:
+            target = worker()
+        [want], _ = draft_budgets([state], K)
+        call = VerifyCall("r", state.length - 1, state.last_token, Draft([]), params, state.step,
+                          head_draft=want, draft_top_k=64)
+        verdict = target._run_batch([call])[0]
+        if verdict == CACHE_MISS:
+            call.prefix = state.context[:-1]
+            verdict = target._run_batch([call])[0]
+        assert verdict.features is None  # the states stay in the target worker
+        steps.append(commit(state, verdict)[0])
+    return steps, state
+
+
+def run_drafter_placement(heads, word: str, params) -> tuple[list[list[int]], object, list[int]]:
+    """The coordinator's loop with the head on a drafter worker: each verdict brings the states the next propose call
+    takes along. -> steps, state, bytes of states per step."""
+    from deployments.drafter_replica import DrafterWorker
+    from deployments.messages import HeadFeatures, ProposeCall, VerifyCall
+    from deployments.target_replica import TargetWorker
+    from deployments.workers import CACHE_MISS
+    from pipeline.sequence import RequestState
+    from pipeline.step import Draft, commit, draft_budgets
+
+    target = TargetWorker(heads["target"], max_batch_size=2, max_seq_len=MAX_SEQ_LEN, head=word, head_in_target=False)
+    drafter = DrafterWorker(word, max_batch_size=2, max_seq_len=MAX_SEQ_LEN, target=heads["target"])
+    for w in (target, drafter):
+        asyncio.run(w.admit("r"))
+    state = RequestState("r", list(PROMPT), params)
+    steps, sizes, pending, base = [], [], None, 0
+    while not state.finished:
+        [want], _ = draft_budgets([state], K)
+        draft = Draft([])
+        if pending is not None and want > 0:
+            got = drafter._run_batch([ProposeCall("r", base, state.context[base:], want, params, state.step, 64,
+                                                  features=pending)])[0]
+            assert got != CACHE_MISS
+            draft, pending, base = got.head(want), None, state.length
+        call = VerifyCall("r", state.length - 1, state.last_token, draft, params, state.step,
+                          prefix=None if steps else state.context[:-1])
+        verdict = target._run_batch([call])[0]
+        assert isinstance(verdict.features, HeadFeatures)
+        assert verdict.features.start == (0 if not steps else state.length - 1)
+        if steps:
+            sizes.append(verdict.features.states.nbytes)
+        pending = verdict.features if pending is None else pending.then(verdict.features)
+        steps.append(commit(state, verdict)[0])
+    return steps, state, sizes
+
+
+@pytest.mark.parametrize("word", ["eagle3", "medusa"])
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_head_in_the_target_runs_the_engines_steps(heads, word, sampling):
+    from pipeline.config import SamplingParams
+
+    want_steps, result = engine_steps(heads, heads[word], sampling)
+    params = SamplingParams(max_tokens=40, ignore_eos=True, **{"seed": result.seed, **sampling})
+    steps, state = run_target_placement(heads, heads[word], params)
+    assert steps == want_steps
+    assert state.stats.drafted == result.stats["drafted"] > 0
+    assert state.stats.accepted == result.stats["accepted"]
+
+
+@pytest.mark.parametrize("word", ["eagle3", "medusa"])
+def test_a_restarted_target_replica_rereads_the_committed_tokens(heads, word):
+    from pipeline.config import SamplingParams
+
+    want_steps, result = engine_steps(heads, heads[word], GREEDY)
+    params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0, seed=0)
+    steps, state = run_target_placement(heads, heads[word], params, restart_at=5)
+    assert state.output_ids == result.token_ids
+    assert steps[:5] == want_steps[:5]
+    if word == "eagle3":  # a seeded request replays across the restart too
+        seeded = SamplingParams(max_tokens=40, ignore_eos=True, **SEEDED)
+        assert run_target_placement(heads, heads[word], seeded, 5)[1].output_ids == \
+            run_target_placement(heads, heads[word], seeded, 5)[1].output_ids
+
+
+@pytest.mark.parametrize("word", ["eagle3", "medusa"])
+def test_head_on_a_drafter_reads_the_states_the_verdicts_carry(heads, word):
+    from pipeline.config import SamplingParams
+
+    _, result = engine_steps(heads, heads[word], GREEDY)
+    greedy = SamplingParams(max_tokens=40, ignore_eos=True, seed=0)
+    steps, state, sizes = run_drafter_placement(heads, heads[word], greedy)
+    assert state.output_ids == result.token_ids
+    assert len(steps[0]) == 1 and state.stats.drafted > 0  # the first step has no draft, the others do
+    width = 32 * (3 if word == "eagle3" else 1) * 4  # float32 states of one position
+    assert all(size % width == 0 and size // width <= K + 1 for size in sizes)
+    seeded = SamplingParams(max_tokens=40, ignore_eos=True, **SEEDED)
+    first = run_drafter_placement(heads, heads[word], seeded)[1]
+    assert run_drafter_placement(heads, heads[word], seeded)[1].output_ids == first.output_ids
+    assert first.stats.drafted > 0
+
+
+def test_a_drafter_without_the_states_answers_cache_miss(heads):
+    from deployments.drafter_replica import DrafterWorker
+    from deployments.messages import ProposeCall
+    from deployments.workers import CACHE_MISS
+    from pipeline.config import SamplingParams
+
+    drafter = DrafterWorker(heads["eagle3"], max_batch_size=2, max_seq_len=MAX_SEQ_LEN, target=heads["target"])
+    asyncio.run(drafter.admit("r"))
+    call = ProposeCall("r", 0, PROMPT, K, SamplingParams(max_tokens=8, seed=0), 0, 64)
+    assert drafter._run_batch([call])[0] == CACHE_MISS
+
+
+# -- the whole app: real Ray, real Redis, HTTP ---------------------------------------------------------------
+
+
+def complete(url: str, model: str, body: dict) -> tuple[list[int], dict]:
+    ids, final = [], None
+    with httpx.stream("POST", f"{url}/v1/completions", json={"model": model, "prompt": PROMPT, "stream": True,
+                                                             "ignore_eos": True, **body}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for _, data in sse_events(r.iter_lines()):
+            if data == "[DONE]":
+                break
+            assert "error" not in data, data
+            if data["choices"]:
+                ids += data["choices"][0]["token_ids"]
+            else:
+                final = data
+    return ids, final["speculation"]
+
+
+def deploy(heads, placement: str):
+    from deployments.app import build_app
+
+    config = {
+        "served_model_name": f"tiny-head-{placement}",
+        "target": {"model": heads["target"], "max_seq_len": MAX_SEQ_LEN, "max_batch_size": 2},
+        "drafter": {"draft": heads["eagle3"], "head_placement": placement, "max_batch_size": 2},
+        "coordinator": {"adaptive_k": False},
+        "speculation": {"num_draft_tokens": K},
+    }
+    return run_app(build_app(config), f"heads-{placement}"), config["served_model_name"]
+
+
+@pytest.fixture(scope="module")
+def head_in_target(heads):
+    from ray import serve
+
+    yield deploy(heads, "target")
+    serve.delete("heads-target")
+
+
+@pytest.fixture(scope="module")
+def head_on_drafter(heads):
+    from ray import serve
+
+    yield deploy(heads, "drafter")
+    serve.delete("heads-drafter")
+
+
+@pytest.mark.slow
+def test_served_head_in_the_target_equals_the_engine(heads, head_in_target):
+    url, model = head_in_target
+    want_greedy = engine_steps(heads, heads["eagle3"], GREEDY)[1]
+    ids, spec = complete(url, model, {"max_tokens": 40, **GREEDY})
+    assert ids == want_greedy.token_ids
+    assert spec["drafted"] == want_greedy.stats["drafted"] > 0 and spec["accepted"] == want_greedy.stats["accepted"]
+    assert spec["steps_without_draft"] == 0
+    first, _ = complete(url, model, {"max_tokens": 40, **SEEDED})
+    again, _ = complete(url, model, {"max_tokens": 40, **SEEDED})
+    assert first == again == engine_steps(heads, heads["eagle3"], SEEDED)[1].token_ids
+
+
+@pytest.mark.slow
+def test_served_head_in_the_target_resumes_from_redis(heads, head_in_target):
+    """A client that leaves after a few events and comes back with Last-Event-ID: the request resumes from its
+    committed tokens in Redis (its target slot, and the head's with it, read them again) and the whole output is the
+    engine's."""
+    url, model = head_in_target
+    # Long enough that the cancellation reaches the coordinator before the request could finish.
+    want = engine_steps(heads, heads["eagle3"], GREEDY, max_tokens=240)[1].token_ids
+    body = {"model": model, "prompt": PROMPT, "stream": True, "ignore_eos": True, "max_tokens": 240, **GREEDY}
+    ids, last = [], None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        for n, (eid, data) in enumerate(sse_events(r.iter_lines())):
+            if data != "[DONE]" and data["choices"]:
+                ids += data["choices"][0]["token_ids"]
+                last = eid
+            if n == 2:
+                break  # the connection closes: the request is cancelled, resumable
+    rest, final = [], None
+    with httpx.stream("POST", f"{url}/v1/completions", json={}, headers={"Last-Event-ID": last}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for _, data in sse_events(r.iter_lines()):
+            if data == "[DONE]":
+                break
+            assert "error" not in data, data
+            if data["choices"]:
+                rest += data["choices"][0]["token_ids"]
+            else:
+                final = data
+    assert ids + rest == want
+    # the resumed loop generated the end: its target call missed (a fresh slot) and re-prefilled target and head
+    assert final["speculation"]["target_replays"] >= 1 and final["speculation"]["drafted"] > 0
+
+
+@pytest.mark.slow
+def test_served_head_on_a_drafter_gives_the_targets_greedy_output_and_replays(heads, head_on_drafter):
+    url, model = head_on_drafter
+    ids, spec = complete(url, model, {"max_tokens": 40, **GREEDY})
+    assert ids == engine_steps(heads, heads["eagle3"], GREEDY)[1].token_ids
+    assert spec["drafted"] > 0 and spec["drafter_failovers"] == 0
+    assert spec["steps_without_draft"] == 1  # the first: the head has read no states yet
+    first, spec = complete(url, model, {"max_tokens": 40, **SEEDED})
+    again, _ = complete(url, model, {"max_tokens": 40, **SEEDED})
+    assert first == again and spec["drafted"] > 0
