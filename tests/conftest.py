@@ -40,20 +40,20 @@ def demo_path():
 # and in file order on one worker (the scheduler below); every other module runs whole on any worker. The scopes go
 # out longest first (LONGEST_FIRST, then the rest by number of tests): the three groups take about two thirds of
 # the suite's time, and one that went out last would run alone at the end while the other worker idles.
-# - RAY_SESSIONS: two groups of tests on a local Ray and Serve of their worker (tests/support/serve.py), which stays
-#   up until the worker ends. The `ray up` cluster tests go first in theirs (they launch a cluster of their own and
-#   time its autoscaling, so they run before their worker starts the local Ray).
+# - RAY_SESSIONS: two groups of tests on a local Ray and Serve of their worker (tests/support/serve.py), which stops
+#   when the group ends. A group's modules run in the order listed: the `ray up` cluster tests first in theirs (they
+#   launch a cluster of their own and time its autoscaling, so they run before their worker starts the local Ray);
+#   the modules on the shared edge app (tests/support/edge_app.py) last in theirs, so it is up only while they run.
 # - OWN_SERVERS: tests that run `specserve serve` (or the soak around it) as a process with a Ray of its own.
 RAY_SESSIONS = {
     "ray-cluster": ("tests/ops/test_ray_up.py", "tests/deployments/test_tp_serve.py", "tests/specserve/test_chaos.py"),
-    "ray-apps": ("tests/deployments/test_admission_serve.py", "tests/deployments/test_api_keys.py",
-                 "tests/deployments/test_app.py", "tests/deployments/test_demo_app.py",
-                 "tests/deployments/test_fuzz.py", "tests/deployments/test_ingress_strict.py",
+    "ray-apps": ("tests/deployments/test_admission_serve.py", "tests/deployments/test_app.py",
                  "tests/deployments/test_one_step.py", "tests/deployments/test_prespec.py",
-                 "tests/deployments/test_serve_heads.py"),
+                 "tests/deployments/test_serve_heads.py",
+                 "tests/deployments/test_api_keys.py", "tests/deployments/test_demo_app.py",
+                 "tests/deployments/test_fuzz.py", "tests/deployments/test_ingress_strict.py"),
 }
 OWN_SERVERS = ("tests/specserve/test_served.py", "tests/specserve/test_serve_signals.py", "tests/ops/test_soak.py")
-FIRST = "tests/ops/test_ray_up.py"
 # Longest first; seconds of one scope on a quiet 2-core CI run (both workers busy), for the order only.
 LONGEST_FIRST = (
     "ray-cluster",  # ~700 s: `ray up` and its autoscaling, TP=2 apps, the chaos campaign
@@ -104,9 +104,21 @@ def pytest_xdist_make_scheduler(config, log):
     return GroupScheduling(config, log)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test of a RAY_SESSIONS group (its fixtures torn down): stop the worker's Ray and Serve. Left up,
+    their idle processes would take CPU from every test the worker runs after the group."""
+    yield
+    scope = _scope(item.nodeid)
+    if scope in RAY_SESSIONS and (nextitem is None or _scope(nextitem.nodeid) != scope):
+        from tests.support.serve import stop_serve
+
+        stop_serve()
+
+
 def pytest_collection_modifyitems(config, items):
-    """Scopes in LONGEST_FIRST order, then the rest by number of tests (most first); within a scope, the order of
-    collection, except that FIRST leads its group."""
+    """Scopes in LONGEST_FIRST order, then the rest by number of tests (most first); within a group, its modules in
+    the order of RAY_SESSIONS; within a module, the order of collection."""
     counts: dict[str, int] = {}
     for item in items:
         counts[_scope(item.nodeid)] = counts.get(_scope(item.nodeid), 0) + 1
@@ -115,4 +127,8 @@ def pytest_collection_modifyitems(config, items):
         return (LONGEST_FIRST.index(scope), 0) if scope in LONGEST_FIRST else (len(LONGEST_FIRST), -counts[scope])
 
     order = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda item: (rank(_scope(item.nodeid)), _module(item.nodeid) != FIRST, order[id(item)]))
+    def place(item) -> int:
+        modules = RAY_SESSIONS.get(_scope(item.nodeid), ())
+        return modules.index(_module(item.nodeid)) if _module(item.nodeid) in modules else 0
+
+    items.sort(key=lambda item: (rank(_scope(item.nodeid)), place(item), order[id(item)]))

@@ -1,7 +1,7 @@
 """The demo pair served end to end (SmolLM2-135M-Instruct target; prompt lookup in the coordinator and the shipped
 distilled drafter on a drafter replica, the default of `specserve serve`): greedy output through HTTP equals the
 core engine's and Hugging Face's, for completions and chat, streamed (openai client, curl -N) and not, with stop
-strings."""
+strings. The app is the one of the HTTP edge's tests (tests/support/edge_app.py), so requests carry its API key."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import subprocess
 
 import pytest
 
-from tests.support.serve import run_app, sse_events
+from tests.support.edge_app import AUTH, KEY, edge_app
+from tests.support.serve import sse_events
 
 pytestmark = pytest.mark.slow
 
-APP = "demo"
 PROMPT = "The three primary colors are"
 MESSAGES = [{"role": "user", "content": "List three uses of a paperclip."}]
 N = 32
@@ -22,22 +22,14 @@ N = 32
 
 @pytest.fixture(scope="module")
 def server(demo_path):
-    from ray import serve
-
-    from deployments.app import build_app
-    from pipeline.models.store import DEMO_DRAFT, resolve
-
-    drafter = {"draft": "lookup+" + str(resolve(DEMO_DRAFT))}
-    url = run_app(build_app({"target": {"model": demo_path, "max_seq_len": 1024}, "drafter": drafter}), APP)
-    yield url
-    serve.delete(APP)
+    return edge_app(demo_path)
 
 
 @pytest.fixture(scope="module")
 def client(server):
     import openai
 
-    return openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0, timeout=300)
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +111,8 @@ def test_curl_streams_sse_until_done(server, client):
     model = client.models.list().data[0].id
     body = f'{{"model": "{model}", "prompt": "{PROMPT}", "max_tokens": 12, "temperature": 0, "stream": true}}'
     out = subprocess.run(["curl", "-sN", f"{server}/v1/completions", "-H", "Content-Type: application/json",
-                          "-d", body], capture_output=True, text=True, timeout=120, check=True).stdout
+                          "-H", f"Authorization: {AUTH['Authorization']}", "-d", body],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
     events = list(sse_events(iter(out.splitlines())))
     assert events[-1][1] == "[DONE]"
     text = "".join(d["choices"][0]["text"] for _, d in events[:-1] if d["choices"])

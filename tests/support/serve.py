@@ -39,14 +39,28 @@ def ensure_serve() -> str:
         _PORT = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": _PORT})
 
-        def _stop() -> None:
-            try:
-                serve.shutdown()
-            finally:
-                ray.shutdown()
-
-        atexit.register(_stop)
+        atexit.register(stop_serve)
     return f"http://127.0.0.1:{_PORT}"
+
+
+def stop_serve() -> None:
+    """Stop this process's Serve and Ray, if up (at exit, and when a group of Serve tests ends: tests/conftest.py).
+    An idle Ray with its apps keeps a share of a core busy; a later ensure_serve starts a fresh one."""
+    global _PORT
+    import ray
+    from ray import serve
+
+    from tests.support import edge_app
+
+    edge_app.forget()
+    if _PORT is None and not ray.is_initialized():
+        return
+    _PORT = None
+    try:
+        if ray.is_initialized():
+            serve.shutdown()
+    finally:
+        ray.shutdown()
 
 
 def run_app(app: Any, name: str) -> str:
