@@ -153,6 +153,7 @@ class DeviceLoop:
         self._launched = 0
 
     # -- state ---------------------------------------------------------------------------------------------
+    @torch.inference_mode()
     def start(self, contexts: Sequence[Sequence[int]], steps: Sequence[int], remaining: Sequence[int],
               target_slots: Sequence[int], drafter_slots: Sequence[int] | None = None,
               sampling: SamplingTensors | None = None, overrides: Overrides | None = None,
@@ -200,6 +201,7 @@ class DeviceLoop:
             self.h_last.copy_(pairs.count - 1)
             self.d_slots.copy_(pairs.slots)
 
+    @torch.inference_mode()
     def freeze(self, rows: Sequence[int]) -> None:
         """Stop rows from moving in the steps launched from now on (they finished; their verdicts are ignored)."""
         mask = torch.ones(self.B, dtype=torch.bool)
@@ -304,6 +306,7 @@ class DeviceLoop:
         self.steps.add_(act.long())
         self.left.sub_(torch.where(act, n + 1, 0))
 
+    @torch.inference_mode()
     def launch(self) -> None:
         """Enqueue one step and the copy of its verdicts to the host; returns without waiting for the device."""
         if self.capture and self._graph is None:
