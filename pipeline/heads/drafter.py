@@ -32,6 +32,7 @@ from pipeline.config import EAGLE3_PREFIX, MEDUSA_PREFIX
 from pipeline.drafters import ProposeRow, sparse_draft
 from pipeline.heads.eagle3 import Eagle3Head, load_eagle3
 from pipeline.heads.medusa import MedusaHeads, load_medusa
+from pipeline.models.store import resolve
 from pipeline.rejection import DraftBlock
 from pipeline.rng import Stream, uniform
 from pipeline.sampling import SamplingTensors, sample_from_probs
@@ -71,7 +72,8 @@ class HeadDrafter:
             raise ValueError(f"drafter {spec!r} needs a fast-path target (its runner returns hidden states); "
                              f"{target.info.name} runs on the generic runner")
         dtype = model.tok_embeddings.weight.dtype
-        folder = Path(spec.split(":", 1)[1])
+        name = spec.split(":", 1)[1]
+        folder = Path(name) if Path(name).exists() else resolve(name)  # a folder, or a shipped head's name
         if not (folder / "config.json").exists():
             raise ValueError(f"drafter {spec!r}: no config.json in {folder}")
         if spec.startswith(MEDUSA_PREFIX):

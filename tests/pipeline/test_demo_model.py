@@ -75,3 +75,18 @@ def test_demo_text_and_stop_string(demo):
     word = full.text.split()[1]
     cut = engine.generate(prompts[1], SamplingParams(max_tokens=NEW, stop=(word,)))
     assert cut.finish_reason == "stop" and word not in cut.text and full.text.startswith(cut.text)
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-eagle3", "smollm2-135m-medusa"])
+def test_shipped_heads_load_by_name_and_keep_the_greedy_output(demo, name):
+    """The shipped feature heads (drafters/, trained on the demo target's own answers) load by name and draft for
+    the demo target: the output is HF's greedy output, and the trained head's drafts are accepted."""
+    from pipeline.heads.drafter import HeadDrafter
+
+    base, prompts, ref = demo
+    word = ("eagle3:" if name.endswith("eagle3") else "medusa:") + name
+    engine = SpeculativeEngine(base.target, base.tokenizer, HeadDrafter.from_spec(word, base.target),
+                               EngineConfig(max_batch_size=2, max_seq_len=256))
+    out = engine.generate_batch(prompts, SamplingParams(max_tokens=NEW), SpecParams(4))
+    assert [o.token_ids for o in out] == [_cut_at_eos(r) for r in ref]
+    assert sum(o.stats["accepted"] for o in out) > 0
