@@ -154,7 +154,7 @@ def _choice_line(folder: Path, config: dict[str, Any], reason: str | None, devic
         from pipeline.models.llama import LlamaArgs
 
         args = LlamaArgs.from_hf(config)
-        graphs, features = graph_path_reason(args), graph_features(args)
+        graphs, features = graph_path_reason(args, device), graph_features(args)
         if graphs is not None:
             line += f"; eager on CUDA, {graphs}"
         else:  # what the captured graphs' kernels take on beyond Llama's layer
