@@ -357,7 +357,7 @@ def app_config(config: ChaosConfig, setup: str, redis_url: Optional[str]) -> dic
     from pipeline.engine import default_draft
 
     slots = config.concurrency + 4
-    draft = config.draft or default_draft(config.target)
+    draft = config.draft or default_draft(config.target, served=True)
     drafter: dict[str, Any] = {"draft": draft, "max_batch_size": slots,
                                "resources": {"num_replicas": config.drafter_replicas}}
     target: dict[str, Any] = {"model": config.target, "max_seq_len": config.max_seq_len, "max_batch_size": slots}
@@ -557,7 +557,7 @@ def run_campaign(config: ChaosConfig, out_dir: Optional[str | Path] = "load-out/
 
     apply_ray_defaults()
     # Models resolved (on first use downloaded and converted) once here, as `specserve serve` does.
-    drafter = DrafterConfig(draft=config.draft or default_draft(config.target))
+    drafter = DrafterConfig(draft=config.draft or default_draft(config.target, served=True))
     config.draft = drafter.with_model(str(resolve(drafter.model))).draft if drafter.uses_model else drafter.draft
     config.target = str(resolve(config.target))
     started = http_port is None

