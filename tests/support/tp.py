@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import multiprocessing as mp
+import os
 import socket
 import time
 import traceback
@@ -102,6 +103,14 @@ def _guarded(target: Callable, rank: int, *args: Any) -> None:
         raise
 
 
+def save_atomic(obj, path: Path) -> None:
+    """torch.save to a temporary name, then rename: a parent waiting for `path` (`wait_file`) never reads a file
+    that is still being written."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
 def wait_file(path: Path, timeout_s: float, procs: list[mp.Process]) -> None:
     deadline = time.monotonic() + timeout_s
     while not path.exists():
@@ -136,7 +145,7 @@ def compare_ranks(rank: int, world_size: int, init: str, models: dict[str, str],
         results[name] = {**got, "elements_read": stats["elements"],
                          "local_elements": sum(p.numel() for p in runner.model.parameters()),
                          "cache_bytes": runner.cache_bytes(), "info": runner.info}
-    torch.save({n: (r["elements_read"], r["local_elements"], r["cache_bytes"]) for n, r in results.items()},
+    save_atomic({n: (r["elements_read"], r["local_elements"], r["cache_bytes"]) for n, r in results.items()},
                out / f"read{rank}.pt")
     for name in ("llama_mha_tied", "odd"):  # the GPU default: every rank holds the whole embedding table
         if name in models:
@@ -196,7 +205,7 @@ def compare_ranks(rank: int, world_size: int, init: str, models: dict[str, str],
         failures: list[BaseException] = []
         leader = TensorParallelRunner(runner, tp, heartbeat_s=None, on_failure=failures.append)
         leader.allocate(SLOTS, MAX_LEN)
-        torch.save(results, out / "results.pt")
+        save_atomic(results, out / "results.pt")
         (out / "ready_to_kill").touch()
         while not (out / "killed").exists():
             time.sleep(0.02)
@@ -212,7 +221,7 @@ def compare_ranks(rank: int, world_size: int, init: str, models: dict[str, str],
             again = "no error"
         except TensorParallelError as err:
             again = f"TensorParallelError: {err}"
-        torch.save({"outcome": outcome, "elapsed_s": elapsed, "again": again, "on_failure_calls": len(failures)},
+        save_atomic({"outcome": outcome, "elapsed_s": elapsed, "again": again, "on_failure_calls": len(failures)},
                    out / "loss.pt")
     else:
         follow(runner, tp)  # killed by the test while waiting here
@@ -247,4 +256,4 @@ def leader_lost(rank: int, world_size: int, init: str, model: str, hang: bool, c
             outcome = "returned"
         except TensorParallelError as err:
             outcome = f"TensorParallelError: {err}"
-        torch.save({"outcome": outcome, "since_follow_s": time.monotonic() - t0}, out / "follower.pt")
+        save_atomic({"outcome": outcome, "since_follow_s": time.monotonic() - t0}, out / "follower.pt")
