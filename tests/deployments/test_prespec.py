@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
 import pytest
 
-from tests.support.serve import run_app, sse_events
+from tests.support.serve import run_app, stream_completion
 
 APP = "prespec"
 MODEL = "tiny-prespec"
@@ -151,18 +150,8 @@ def server(tiny_models):
 
 
 def complete(server: str, body: dict) -> tuple[list[int], dict]:
-    ids, final = [], None
-    with httpx.stream("POST", f"{server}/v1/completions", json={"model": MODEL, "prompt": PROMPT, "stream": True,
-                                                                "ignore_eos": True, **body}, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        for _, data in sse_events(r.iter_lines()):
-            if data == "[DONE]":
-                break
-            assert "error" not in data, data
-            if data["choices"]:
-                ids += data["choices"][0]["token_ids"]
-            else:
-                final = data
+    ids, final = stream_completion(server, {"model": MODEL, "prompt": PROMPT, "stream": True, "ignore_eos": True,
+                                            **body})
     return ids, final["speculation"]
 
 

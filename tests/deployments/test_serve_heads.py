@@ -24,7 +24,7 @@ import pytest
 
 from tests.support.heads import make_eagle3_checkpoint, make_medusa_checkpoint
 from tests.support.models import make_tiny_llama
-from tests.support.serve import run_app, sse_events
+from tests.support.serve import run_app, sse_events, stream_completion
 
 V = 128
 K = 3
@@ -192,18 +192,7 @@ def test_a_drafter_without_the_states_answers_cache_miss(heads):
 
 
 def complete(url: str, model: str, body: dict) -> tuple[list[int], dict]:
-    ids, final = [], None
-    with httpx.stream("POST", f"{url}/v1/completions", json={"model": model, "prompt": PROMPT, "stream": True,
-                                                             "ignore_eos": True, **body}, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        for _, data in sse_events(r.iter_lines()):
-            if data == "[DONE]":
-                break
-            assert "error" not in data, data
-            if data["choices"]:
-                ids += data["choices"][0]["token_ids"]
-            else:
-                final = data
+    ids, final = stream_completion(url, {"model": model, "prompt": PROMPT, "stream": True, "ignore_eos": True, **body})
     return ids, final["speculation"]
 
 
@@ -266,17 +255,7 @@ def test_served_head_in_the_target_resumes_from_redis(heads, head_in_target):
                 last = eid
             if n == 2:
                 break  # the connection closes: the request is cancelled, resumable
-    rest, final = [], None
-    with httpx.stream("POST", f"{url}/v1/completions", json={}, headers={"Last-Event-ID": last}, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        for _, data in sse_events(r.iter_lines()):
-            if data == "[DONE]":
-                break
-            assert "error" not in data, data
-            if data["choices"]:
-                rest += data["choices"][0]["token_ids"]
-            else:
-                final = data
+    rest, final = stream_completion(url, {}, headers={"Last-Event-ID": last})
     assert ids + rest == want
     # the resumed loop generated the end: its target call missed (a fresh slot) and re-prefilled target and head
     assert final["speculation"]["target_replays"] >= 1 and final["speculation"]["drafted"] > 0

@@ -104,6 +104,26 @@ def sse_events(lines: Iterator[str]) -> Iterator[tuple[Optional[str], Any]]:
         yield eid, payload if payload == "[DONE]" else json.loads(payload)
 
 
+def stream_completion(url: str, body: dict, headers: Optional[dict] = None) -> tuple[list[int], dict]:
+    """POST a streamed /v1/completions (or a resume with `Last-Event-ID` in `headers`) and read it to [DONE] ->
+    (the token ids of every event, the final usage chunk). Any error event or non-200 status fails the test."""
+    import httpx
+
+    ids: list[int] = []
+    final: dict = {}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for _, data in sse_events(r.iter_lines()):
+            if data == "[DONE]":
+                break
+            assert "error" not in data, data
+            if data["choices"]:
+                ids += data["choices"][0]["token_ids"]
+            else:
+                final = data
+    return ids, final
+
+
 def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.1) -> Any:
     deadline = time.monotonic() + timeout_s
     while True:
