@@ -225,6 +225,13 @@ class CoordinatorConfig(_Strict):
         "coordinator measures say pays most (pipeline.adaptive.AdaptiveK); sampled requests always draft their K, "
         "so a seeded request replays exactly."
     )
+    steps_per_call: int = Field(
+        8, ge=1, le=64,
+        description="Target passes one call to a target worker may run for a request when the worker needs nothing "
+        "from elsewhere between them (the feature head in the target, or no drafts): the worker streams each step's "
+        "verdict back as it is made and feeds the next pass itself, so the coordinator's round trip leaves the "
+        "per-step path. 1: a call per step.",
+    )
     draft_timeout_s: float = Field(10.0, gt=0, description="A drafter call slower than this counts as lost.")
     verify_timeout_s: float = Field(120.0, gt=0, description="A target call slower than this counts as lost.")
     replica_wait_s: float = Field(60.0, gt=0, description="How long to wait for a target worker to (re)appear.")

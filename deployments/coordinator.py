@@ -67,7 +67,7 @@ from pipeline.drafters import ProposeRow, lookup_first, lookup_part
 from pipeline.models.loader import load_tokenizer
 from pipeline.prespec import match_branch, rank_branches
 from pipeline.sequence import RequestState
-from pipeline.step import Draft, Verdict, commit, draft_budgets, new_k_policy, retire
+from pipeline.step import Draft, Verdict, commit, draft_budgets, new_k_policy, retire, row_budget
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class _Run:
     head_refeed: bool = False
     counters: dict[str, int] = field(default_factory=lambda: {
         "overlap_tries": 0, "overlap_hits": 0, "target_replays": 0, "target_failovers": 0,
-        "drafter_failovers": 0, "steps_without_draft": 0, "preemptions": 0})
+        "drafter_failovers": 0, "steps_without_draft": 0, "preemptions": 0, "multi_step_calls": 0})
 
 
 class Coordinator:
@@ -254,7 +254,10 @@ class Coordinator:
                 if run.persist is not None and run.persist.done() and run.persist.exception() is not None:
                     if isinstance(run.persist.exception(), NotOwner):
                         raise _taken_over()
-                queue.put_nowait(await self._step(run, state))
+                if self._multi_step(run, state):
+                    await self._steps(run, state, queue)
+                else:
+                    queue.put_nowait(await self._step(run, state))
             if self.lookup is not None:
                 retire(self.lookup, state)  # suffix decoding learns the output; prompt lookup forgets the request
             # The slots are free for the next request now: not when the stream's generator is closed, which Serve may
@@ -300,6 +303,13 @@ class Coordinator:
         if self.head_on_drafter and isinstance(verdict.features, HeadFeatures):
             had = run.head_features
             run.head_features = verdict.features if had is None else had.then(verdict.features)
+        return self._committed(run, state, verdict, (t0, t1, t2), want, adapt, predrafted)
+
+    def _committed(self, run: _Run, state: RequestState, verdict: Verdict, times: tuple[float, float, float],
+                   want: int, adapt: bool, predrafted: bool) -> StepEvent:
+        """Commit a step's verdict to the request -> its event (persisted, its statistics recorded). times: the
+        step's start, its draft's end, its verdict's arrival."""
+        t0, t1, t2 = times
         run.timing["draft_s"] += t1 - t0
         run.timing["verify_s"] += t2 - t1
         k, num_accepted = verdict.num_draft, verdict.num_accepted
@@ -351,6 +361,63 @@ class Coordinator:
                          step_latency_ms=(time.perf_counter() - t0) * 1e3, draft_ms=(t1 - t0) * 1e3,
                          verify_ms=(t2 - t1) * 1e3, target=run.target, drafter=run.drafter)
         return event
+
+    def _multi_step(self, run: _Run, state: RequestState) -> bool:
+        """Whether the next steps go to the target worker as one multi-step call (`coordinator.steps_per_call`): the
+        worker holds the request's cache, and nothing from elsewhere is needed between two passes (the worker's own
+        head drafts, or the request drafts nothing)."""
+        return (self.cfg.coordinator.steps_per_call > 1 and run.target_warm and run.target_handle is not None
+                and state.remaining > 1
+                and (self.head_in_target or run.spec.num_draft_tokens == 0 or not self.cfg.drafter.drafts))
+
+    async def _steps(self, run: _Run, state: RequestState, queue: asyncio.Queue) -> None:
+        """Steps of one multi-step call (`TargetWorker.verify_steps`), each committed and queued as its verdict
+        arrives. K is chosen once for the call. Whatever the stream cannot handle (a lost or missing cache, a
+        preempted slot, a lost worker) ends it; the next step then goes the one-call way, which recovers."""
+        t0 = time.perf_counter()
+        k = run.spec.num_draft_tokens if self.head_in_target else 0
+        [want], adapt = draft_budgets([state], k, self.k_policy, max(self.active, 1))
+        call = VerifyCall(request_id=state.request_id, start=state.length - 1, pending=state.last_token,
+                          draft=Draft([]), params=state.params, step=state.step, epoch=run.epoch,
+                          steps=self.cfg.coordinator.steps_per_call, remaining=state.remaining,
+                          stop_ids=() if state.params.ignore_eos else state.eos_token_ids)
+        if self.head_in_target:  # the call's K: the one chosen now, unless only the token budget capped it
+            call.head_draft, call.draft_top_k = want, run.spec.draft_top_k
+            call.head_k = want if want < state.remaining - 1 else k
+        with tracing.span("coordinator.steps", parent=run.trace, step=state.step, steps=call.steps):
+            stream = run.target_handle.verify_steps.options(num_returns="streaming").remote(call, _trace())
+            run.counters["multi_step_calls"] += 1
+            try:
+                while not state.finished:
+                    try:
+                        verdict = await asyncio.wait_for(_next(stream), self.cfg.coordinator.verify_timeout_s)
+                    except StopAsyncIteration:
+                        return
+                    except Exception as err:  # noqa: BLE001
+                        if not is_actor_lost(err):
+                            raise
+                        self.targets.mark_dead(run.target)
+                        run.target, run.target_handle, run.target_warm = None, None, False
+                        run.counters["target_failovers"] += 1
+                        return
+                    if verdict == STALE:
+                        raise _taken_over()
+                    if verdict == PREEMPTED:  # queued again by the one-call step, which then replays
+                        run.counters["preemptions"] += 1
+                        self.targets.release(run.target)
+                        run.target_handle = None
+                    if not isinstance(verdict, Verdict):  # CACHE_MISS: the one-call step resends the prefix
+                        run.target_warm = False
+                        return
+                    t2 = time.perf_counter()
+                    queue.put_nowait(self._committed(run, state, verdict, (t0, t0, t2), want, adapt, False))
+                    t0 = t2
+                    want = row_budget(call.head_k, state.remaining)
+            finally:
+                try:
+                    ray.cancel(stream)  # a request that ended at a stop string, or failed: stop the worker's passes
+                except Exception:  # noqa: BLE001 - already done
+                    pass
 
     # -- drafting ----------------------------------------------------------------------------------------
     async def _draft(self, run: _Run, state: RequestState, want: int) -> tuple[Draft, Optional[Draft]]:
@@ -675,6 +742,11 @@ def _trace() -> Optional[dict]:
 
 async def _await(ref) -> Any:
     return await ref
+
+
+async def _next(stream) -> Any:
+    """The next answer of a streaming actor call (StopAsyncIteration after its last)."""
+    return await (await stream.__anext__())
 
 
 async def _call(method, row) -> Any:

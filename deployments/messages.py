@@ -10,14 +10,14 @@ state goes through `RequestState.to_dict` / `from_dict`).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
 from pipeline.config import SamplingParams, SpecParams
-from pipeline.step import Draft
+from pipeline.step import Draft, Verdict, row_budget
 
 PREFILL_CHUNK = 256  # prompt tokens one request prefills per target pass (deployments.target_replica)
 
@@ -117,6 +117,26 @@ class VerifyCall:
     epoch: int = 1  # the caller's ownership epoch of the request (workers refuse older ones: `EpochFence`)
     head_draft: int = 0  # tokens the target worker's own feature head drafts for this pass (`draft` is then empty)
     draft_top_k: int = 0  # with head_draft: the sparse draft distribution's width
+    # A multi-step call (`TargetWorker.verify_steps`): the worker runs up to `steps` passes, making each next call
+    # from the last verdict itself; it stops early once the request has emitted `remaining` tokens or a stop id.
+    steps: int = 1
+    head_k: int = 0  # K of the worker's head for the passes after the first (each capped by what remains)
+    remaining: int = 0  # tokens the request may still emit (max_tokens minus its output so far)
+    stop_ids: tuple[int, ...] = ()  # token ids that end the request (EOS, unless it ignores EOS)
+
+    def after(self, verdict: Verdict) -> "VerifyCall":
+        """The call of this request's next pass once `verdict`, this pass's outcome, is committed: its last emitted
+        token is the next pending one, everything before it is in the worker's cache."""
+        remaining = self.remaining - len(verdict.tokens)
+        return replace(self, start=self.start + len(verdict.tokens), pending=verdict.tokens[-1], draft=Draft([]),
+                       step=self.step + 1, prefix=None, head_draft=row_budget(self.head_k, remaining),
+                       remaining=remaining, steps=self.steps - 1)
+
+    def ends_with(self, verdict: Verdict) -> bool:
+        """Whether `verdict` ends the request (as far as the worker can tell: the coordinator also stops at stop
+        strings) or this call's passes."""
+        return (self.steps <= 1 or self.remaining - len(verdict.tokens) <= 0
+                or any(t in self.stop_ids for t in verdict.tokens))
 
     @property
     def cost(self) -> int:

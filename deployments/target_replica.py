@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, AsyncIterator, Optional, Sequence
 
 import torch
 
@@ -145,6 +145,22 @@ class TargetWorker:
                 await self._acquire(row.request_id, bounded=False)
             self.slots.touch(row.request_id)
             return await self.batcher.submit(row.request_id, row)
+
+    async def verify_steps(self, row: VerifyCall, trace: Optional[dict] = None) -> AsyncIterator[Verdict | str]:
+        """Up to `row.steps` passes for one request, a Ray streaming generator: each pass's answer is yielded as soon
+        as the pass is done, and the next pass's call is made here from the verdict, so no round trip to the
+        coordinator lies between two passes (each still batched with every other request's rows). Stops after an
+        answer that is not a Verdict (CACHE_MISS, STALE, PREEMPTED: the coordinator handles it as after `verify`),
+        at the request's token budget or a stop id, and once the request's slot is released (it finished at a stop
+        string, or was cancelled)."""
+        while True:
+            verdict = await self.verify(row, trace)
+            yield verdict
+            if not isinstance(verdict, Verdict) or row.ends_with(verdict):
+                return
+            row = row.after(verdict)
+            if self.slots.slot_of(row.request_id) is None:
+                return
 
     async def release(self, request_ids: Sequence[str], epoch: int = 0) -> None:
         """Free the requests' slots and state. A release by an older owner than the newest one served (`epoch`

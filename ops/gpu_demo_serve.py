@@ -17,7 +17,9 @@ category, in the chat template), `--max-tokens` each, EOS honoured, one request 
    subprocess.
 2. Through HTTP (`specserve serve`'s app, target and drafter replicas sharing the GPU, embedded Redis), with the
    `openai` client: per prompt, target-only (`speculation.num_draft_tokens: 0`) and speculative; two seeded sampled
-   requests, twice.
+   requests, twice. One app deploy and run per `--steps-per-call` value (`coordinator.steps_per_call`: passes one
+   target-worker call may run where the worker needs nothing from elsewhere between them, a feature head in the
+   target or no drafts).
 
 Greedy outputs must all equal the in-process target-only output token for token (in float32 the engine's greedy
 token does not depend on the pass shape). Prints one table; writes demo_serve.json and demo_serve.md to --out.
@@ -124,7 +126,7 @@ def cli_generate(args, target: str, draft: str, prompt: str) -> list[int]:
     return json.loads(proc.stdout.strip().splitlines()[-1])["token_ids"]
 
 
-def through_http(args, target: str, draft: str, prompts: list[list[int]]) -> dict:
+def through_http(args, target: str, draft: str, prompts: list[list[int]], steps_per_call: int) -> dict:
     from deployments.ray_env import apply_ray_defaults
 
     apply_ray_defaults()
@@ -144,7 +146,8 @@ def through_http(args, target: str, draft: str, prompts: list[list[int]]) -> dic
                       "max_seq_len": args.max_seq_len, "resources": {"num_gpus": share, "num_cpus": 1}},
            "drafter": {"draft": draft, "device": args.device, "dtype": args.dtype, "max_batch_size": 4,
                        "resources": {"num_gpus": share, "num_cpus": 1}},
-           "speculation": {"num_draft_tokens": args.k}, "coordinator": {"adaptive_k": False}}
+           "speculation": {"num_draft_tokens": args.k},
+           "coordinator": {"adaptive_k": False, "steps_per_call": steps_per_call}}
     out: dict[str, Any] = {}
     try:
         t0 = time.perf_counter()
@@ -199,6 +202,12 @@ def through_http(args, target: str, draft: str, prompts: list[list[int]]) -> dic
     return out
 
 
+def http_label(where: str) -> str:
+    """'http-8' -> 'HTTP, 8 steps a call'."""
+    n = int(where.split("-")[1])
+    return f"HTTP, {n} step{'s' if n > 1 else ''} a call"
+
+
 def table(r: dict) -> str:
     ref = r["in_process"]["target_only"]["ids"]
     lines = [f"{r['card']}, {r['date']}; demo target SmolLM2-135M-Instruct ({r['dtype']}), drafter {r['draft']}, "
@@ -206,7 +215,7 @@ def table(r: dict) -> str:
              f"{r['max_tokens']} tokens each, one after another.", "",
              "| path | tokens/s | x target-only (same path) | tokens per target pass | TTFT p50 ms | "
              "ITL p50 / p99 ms | greedy = in-process target-only |", "|---|---|---|---|---|---|---|"]
-    for where in ("in_process", "http"):
+    for where in ("in_process", *r.get("http_runs", [])):
         part = r.get(where) or {}
         for name in ("target_only", "spec"):
             x = part.get(name)
@@ -214,18 +223,22 @@ def table(r: dict) -> str:
                 continue
             same = sum(a == b for a, b in zip(x["ids"], ref))
             base = part["target_only"]["tokens_per_s"]
-            lines.append(f"| {'in process' if where == 'in_process' else 'HTTP'}, "
+            lines.append(f"| {'in process' if where == 'in_process' else http_label(where)}, "
                          f"{'target only' if name == 'target_only' else 'speculative'} | {x['tokens_per_s']:.1f} | "
                          f"{x['tokens_per_s'] / base:.2f} | {x['tokens_per_pass']:.2f} | {x['ttft_ms_p50']:.1f} | "
                          f"{x['itl_ms_p50']:.2f} / {x['itl_ms_p99']:.2f} | {same}/{len(ref)} |")
-    http = r.get("http") or {}
-    if "spec" in http:
+    for where in r.get("http_runs", []):
+        http = r.get(where) or {}
+        if "spec" not in http:
+            continue
         ip = r["in_process"]
         spec = http["spec"]["tokens_per_s"] / ip["spec"]["tokens_per_s"]
         base = http["target_only"]["tokens_per_s"] / ip["target_only"]["tokens_per_s"]
-        lines.append(f"\nHTTP / in process: speculative {spec:.2f}, target-only {base:.2f}. Seeded sampled requests "
-                     f"through HTTP replay identically: {http.get('sampled_replay_identical')}; app up in "
-                     f"{http['start_s']:.1f} s.")
+        lines.append(f"\n{http_label(where)} / in process: speculative {spec:.2f}, target-only {base:.2f}. Seeded "
+                     f"sampled requests replay identically: {http.get('sampled_replay_identical')}; app up in "
+                     f"{http['start_s']:.1f} s; target worker ms a pass (target-only / speculative): "
+                     f"{http['target_only'].get('target_compute_ms_per_pass', float('nan')):.2f} / "
+                     f"{http['spec'].get('target_compute_ms_per_pass', float('nan')):.2f}.")
     if "cli_equal" in r:
         lines.append(f"`specserve generate` on the first prompt = in-process target-only: {r['cli_equal']}")
     return "\n".join(lines) + "\n"
@@ -244,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--no-cli", action="store_true", help="skip the `specserve generate` subprocess")
+    p.add_argument("--steps-per-call", default="8",
+                   help="comma list: one HTTP run (app deploy) per value of coordinator.steps_per_call")
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -278,19 +293,22 @@ def main(argv: list[str] | None = None) -> int:
             result["cli_equal"] = f"error: {err!r}"[:300]
         log(f"specserve generate = in-process target-only: {result['cli_equal']}")
     (out / "demo_serve.json").write_text(json.dumps(result, indent=1, default=str))
-    try:
-        result["http"] = through_http(args, target, draft, prompts)
-    except Exception as err:  # noqa: BLE001 - report what ran
-        import traceback
+    result["http_runs"] = [f"http-{n}" for n in args.steps_per_call.split(",")]
+    for where in result["http_runs"]:
+        try:
+            result[where] = through_http(args, target, draft, prompts, int(where.split("-")[1]))
+        except Exception as err:  # noqa: BLE001 - report what ran
+            import traceback
 
-        traceback.print_exc()
-        result["http"] = {"error": repr(err)[:300]}
-    (out / "demo_serve.json").write_text(json.dumps(result, indent=1, default=str))
+            traceback.print_exc()
+            result[where] = {"error": repr(err)[:300]}
+        (out / "demo_serve.json").write_text(json.dumps(result, indent=1, default=str))
     md = table(result)
     (out / "demo_serve.md").write_text(md)
     print(md, flush=True)
     ref = result["in_process"]["target_only"]["ids"]
-    ok = all(result[where][name]["ids"] == ref for where in ("in_process", "http") for name in ("target_only", "spec")
+    ok = all(result[where][name]["ids"] == ref for where in ("in_process", *result["http_runs"])
+             for name in ("target_only", "spec")
              if name in (result.get(where) or {}))
     log(f"greedy outputs all equal the in-process target-only output: {ok}")
     return 0

@@ -561,6 +561,8 @@ def _serve_part(args, folder, rec_path, prompts, streams, placement, outputs, sh
     }
     if args.prespec_branches is not None:
         cfg["coordinator"]["prespec_branches"] = args.prespec_branches
+    if args.steps_per_call is not None:
+        cfg["coordinator"]["steps_per_call"] = args.steps_per_call
     t0 = time.perf_counter()
     serve.run(build_app(cfg), name="bench", route_prefix="/", logging_config=quiet)
     start_s = time.perf_counter() - t0
@@ -884,6 +886,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-overlap", action="store_true", help="coordinator.overlap off (no pre-speculation)")
     p.add_argument("--prespec-branches", type=int, default=None, help="coordinator.prespec_branches: outcomes of a "
                    "step whose next draft the drafter prepares during verification (default: the config's)")
+    p.add_argument("--steps-per-call", type=int, default=None, help="coordinator.steps_per_call: passes one call to "
+                   "the target worker may run where nothing is needed between them (here: the target-only runs)")
     p.add_argument("--workdir", default=None, help="where the random target folder goes (default: /dev/shm if it has "
                    "room for it, else /tmp)")
     p.add_argument("--serve-only", action="store_true",

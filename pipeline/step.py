@@ -47,7 +47,13 @@ def draft_budgets(
     Sampled rows keep the request's K."""
     adapt = policy is not None and any(s.params.greedy and min(k, s.remaining - 1) > 0 for s in states)
     k_greedy = policy.choose(batch or len(states), k) if adapt else k
-    return [max(min(k_greedy if s.params.greedy else k, s.remaining - 1), 0) for s in states], adapt
+    return [row_budget(k_greedy if s.params.greedy else k, s.remaining) for s in states], adapt
+
+
+def row_budget(k: int, remaining: int) -> int:
+    """Draft tokens for a row that wants K and may emit `remaining` more tokens: the last allowed token always comes
+    from the target, so never past max_tokens."""
+    return max(min(k, remaining - 1), 0)
 
 
 def catch_up(drafter: Drafter, rows: Sequence[ProposeRow]) -> None:

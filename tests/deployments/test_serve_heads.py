@@ -144,6 +144,46 @@ def test_head_in_the_target_runs_the_engines_steps(heads, word, sampling):
     assert state.stats.accepted == result.stats["accepted"]
 
 
+def run_multi_step(heads, word: str, params, steps_per_call: int) -> tuple[list[list[int]], object]:
+    """The coordinator's multi-step calls with the head in the target worker: a one-step call prefills, then each
+    `verify_steps` call runs up to `steps_per_call` passes, the worker making each next call from the verdict."""
+    from deployments.messages import VerifyCall
+    from deployments.target_replica import TargetWorker
+    from pipeline.sequence import RequestState
+    from pipeline.step import Draft, Verdict, commit, draft_budgets
+
+    async def play():
+        target = TargetWorker(heads["target"], max_batch_size=2, max_seq_len=MAX_SEQ_LEN, head=word)
+        await target.admit("r")
+        state = RequestState("r", list(PROMPT), params)
+        steps: list[list[int]] = []
+        while not state.finished:
+            [want], _ = draft_budgets([state], K)
+            call = VerifyCall("r", state.length - 1, state.last_token, Draft([]), params, state.step, head_draft=want,
+                              draft_top_k=64, steps=steps_per_call if steps else 1, head_k=K,
+                              remaining=state.remaining, prefix=None if steps else state.context[:-1])
+            async for verdict in target.verify_steps(call):
+                assert isinstance(verdict, Verdict) and not state.finished
+                steps.append(commit(state, verdict)[0])
+        return steps, state
+
+    return asyncio.run(play())
+
+
+@pytest.mark.parametrize("word", ["eagle3", "medusa"])
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_multi_step_calls_run_the_engines_steps(heads, word, sampling):
+    """A worker that feeds itself several passes a call emits, step for step, what the engine does (so does a
+    request whose token budget ends inside a call: 40 tokens in calls of 6 passes)."""
+    from pipeline.config import SamplingParams
+
+    want_steps, result = engine_steps(heads, heads[word], sampling)
+    params = SamplingParams(max_tokens=40, ignore_eos=True, **{"seed": result.seed, **sampling})
+    steps, state = run_multi_step(heads, heads[word], params, steps_per_call=6)
+    assert steps == want_steps
+    assert state.stats.accepted == result.stats["accepted"]
+
+
 @pytest.mark.parametrize("word", ["eagle3", "medusa"])
 def test_a_restarted_target_replica_rereads_the_committed_tokens(heads, word):
     from pipeline.config import SamplingParams
@@ -233,6 +273,7 @@ def test_served_head_in_the_target_equals_the_engine(heads, head_in_target):
     assert ids == want_greedy.token_ids
     assert spec["drafted"] == want_greedy.stats["drafted"] > 0 and spec["accepted"] == want_greedy.stats["accepted"]
     assert spec["steps_without_draft"] == 0
+    assert spec["multi_step_calls"] >= 1  # after the prefill the worker fed itself several passes a call
     first, _ = complete(url, model, {"max_tokens": 40, **SEEDED})
     again, _ = complete(url, model, {"max_tokens": 40, **SEEDED})
     assert first == again == engine_steps(heads, heads["eagle3"], SEEDED)[1].token_ids
@@ -259,6 +300,7 @@ def test_served_head_in_the_target_resumes_from_redis(heads, head_in_target):
     assert ids + rest == want
     # the resumed loop generated the end: its target call missed (a fresh slot) and re-prefilled target and head
     assert final["speculation"]["target_replays"] >= 1 and final["speculation"]["drafted"] > 0
+    assert final["speculation"]["multi_step_calls"] >= 1
 
 
 @pytest.mark.slow
