@@ -92,6 +92,8 @@ class TargetWorker:
             if head_in_target:
                 drafter.allocate(num_slots, max_seq_len + CACHE_SLACK)
                 self.head = drafter
+            if world_size == 1:
+                warm_up(self.model, num_slots, "target (head's states)", self.feature_layers)
         self._head_read: dict[str, int] = {}  # request id -> committed positions [0, n) its head has read
         self._prefix_features: dict[str, list[torch.Tensor]] = {}  # request id -> states of a prefill in progress
         self._fed: dict[str, int] = {}  # request id -> positions [0, fed) written by its calls in its slot

@@ -58,13 +58,14 @@ class EpochFence:
         self._newest.pop(request_id, None)
 
 
-def warm_up(model: Any, max_batch_size: int, role: str) -> int:
+def warm_up(model: Any, max_batch_size: int, role: str, layers: tuple[int, ...] = ()) -> int:
     """Capture a worker model's step graphs before the replica takes traffic (the CUDA graph path, and every rank
     of a tensor-parallel group in lockstep; nothing elsewhere): every batch size up to max_batch_size and every
     token count the graph path buckets (verify blocks of any K it captures, a drafter's catch-up calls), so that
-    no request sees a capture's stall. Returns the graphs captured."""
+    no request sees a capture's stall; with `layers`, the passes that also return those layers' states (a feature
+    head's). Returns the graphs captured."""
     t0 = time.perf_counter()
-    captured = warmup(model, max_batch_size)
+    captured = warmup(model, max_batch_size, layers=layers)
     if captured:
         logger.info("%s: %d CUDA graphs captured in %.1f s before serving", role, captured, time.perf_counter() - t0)
     return captured

@@ -161,6 +161,8 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         drafter = _model_drafter(self.drafter)
         captures = warmup(self.target, self.config.max_batch_size, max_draft_tokens + 1)
+        if self._feature_layers and max_draft_tokens > 0:  # a head's step path: passes that return its states
+            captures += warmup(self.target, self.config.max_batch_size, max_draft_tokens + 1, self._feature_layers)
         if drafter is not None and max_draft_tokens > 0:
             captures += warmup(drafter.model, self.config.max_batch_size)  # every length
         return {"captures": captures, "seconds": time.perf_counter() - t0}

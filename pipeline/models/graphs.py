@@ -41,7 +41,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -236,6 +236,7 @@ def _fuse(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
 class _Graph:
     graph: Any  # torch.cuda.CUDAGraph, or None when shapes are static but not captured (CPU)
     logits: torch.Tensor  # [Bb, Tb, V] float32, the static output (shared by the graphs of one (Bb, Tb))
+    features: Optional[torch.Tensor] = None  # [Bb, Tb, len(layers) * C]: a features graph's states (`forward_features`)
 
 
 @dataclass
@@ -448,8 +449,26 @@ class GraphCausalLM:
         (uncaptured: the captured graphs return logits only), so the step path and the device loop compute a
         head's features alike; anything else runs on the eager runner (the same cache)."""
         B, T = tokens.shape
-        if (logits_from == 0 and self.device_resident()
-                and self.shape_for(B, T, int(positions.max())) is not None):
+        host_rows = positions.device.type == "cpu" and slots.device.type == "cpu"
+        shape = self.shape_for(B, T, int(positions.max())) if host_rows else None
+        if shape is not None:
+            # Host rows (the engine's step path, a target worker): a graph per shape and layers, as `forward`'s
+            Bb, Tb, Sb = shape
+            self._set_inputs(tokens, positions, slots, Bb, Tb)
+            key = (*shape, layers)
+            entry = self._graphs.get(key)
+            if entry is None:
+                entry = self._graphs[key] = self._capture_or_fall_back(shape, layers=layers)
+            elif entry.graph is not None:
+                entry.graph.replay()
+            else:  # static shapes, not captured (CPU)
+                tok_buf, pos_buf, slot_buf = self._bufs
+                self._capture_taps((tok_buf[:Bb, :Tb], pos_buf[:Bb], slot_buf[:Bb], Sb, entry.logits, None),
+                                   entry.logits, entry.features, layers)
+            self.stats.graph_calls += 1
+            self.stats.shapes[shape] = self.stats.shapes.get(shape, 0) + 1
+            return entry.logits[:B, logits_from:T].clone(), entry.features[:B, :T].clone()
+        if (logits_from == 0 and self.device_resident() and shape is not None):
             dev = self.device
             logits, feats = self.forward_static_features(tokens.to(dev), positions.to(dev), slots.to(dev), layers)
             return logits.clone(), feats.clone()
@@ -531,11 +550,12 @@ class GraphCausalLM:
     supports_stream = True  # `forward(..., stream=(window, sinks))`, captured per window
 
     @torch.inference_mode()  # as `forward`: a capture here may reuse a logits buffer a forward made (inference tensor)
-    def warmup(self, max_batch: int, max_tokens: int | None = None) -> int:
+    def warmup(self, max_batch: int, max_tokens: int | None = None, layers: tuple[int, ...] = ()) -> int:
         """Capture now every graph that calls of up to `max_batch` rows x `max_tokens` tokens (None: any token
         bucket) would use (with the Triton attention, every one; with SDPA, those of the shortest contexts),
         instead of on first use in the middle of serving: a capture costs tens of milliseconds (more with a
         compilation or the linears' tuning), which a stream would see as a stall. Rows point at the scratch slot.
+        With `layers`, the graphs of `forward_features` for those layers instead (what a feature head reads).
         Returns the number of graphs captured; 0 without CUDA graphs."""
         assert self._bufs is not None, "call allocate(num_slots, max_len) before warmup"
         if not self.use_graphs:
@@ -549,12 +569,13 @@ class GraphCausalLM:
         for Bb in batches:
             for Tb in tokens:
                 shape = self.shape_for(Bb, Tb, 0)
-                if shape is None or shape in self._graphs:
+                key = shape if not layers or shape is None else (*shape, layers)
+                if shape is None or key in self._graphs:
                     continue
                 tok_buf[:Bb, :Tb].zero_()
                 pos_buf[:Bb].zero_()
                 slot_buf[:Bb].fill_(self.num_slots)  # the scratch slot: no request's cache is touched
-                self._graphs[shape] = self._capture_or_fall_back(shape)
+                self._graphs[key] = self._capture_or_fall_back(shape, layers=layers)
         return self.stats.captures - before
 
     def shape_for(self, B: int, T: int, max_pos: int) -> tuple[int, int, int] | None:
@@ -563,11 +584,12 @@ class GraphCausalLM:
         return plan_shape(B, T, max_pos, self.max_len, self.config, whole_cache=self.attention == "triton")
 
     # -- capture -------------------------------------------------------------------------------------------
-    def _capture_or_fall_back(self, shape: tuple[int, int, int], stream: tuple[int, int] | None = None) -> _Graph:
+    def _capture_or_fall_back(self, shape: tuple[int, int, int], stream: tuple[int, int] | None = None,
+                              layers: tuple[int, ...] = ()) -> _Graph:
         """`_capture`; with attention 'auto', a Triton kernel that fails to build or run (in the warm-up, before
         any capture) switches this runner to the SDPA attention, said once, instead of failing the request."""
         try:
-            return self._capture(shape, stream)
+            return self._capture(shape, stream, layers)
         except Exception:
             if self.config.attention != "auto" or self.attention != "triton":
                 raise
@@ -576,10 +598,12 @@ class GraphCausalLM:
             self.attention = "sdpa"
             self.linear_kind = "torch" if self.config.linear == "auto" else self.linear_kind
             self.fused_layer = self.use_pdl = False
-            return self._capture(shape, stream)
+            return self._capture(shape, stream, layers)
 
-    def _capture(self, shape: tuple[int, int, int], stream: tuple[int, int] | None = None) -> _Graph:
-        """Run the shape once (its result is this call's answer) and, on CUDA, capture it for replays."""
+    def _capture(self, shape: tuple[int, int, int], stream: tuple[int, int] | None = None,
+                 layers: tuple[int, ...] = ()) -> _Graph:
+        """Run the shape once (its result is this call's answer) and, on CUDA, capture it for replays. With
+        `layers`, the graph also writes the states entering those layers (`_tap`) into its own buffer."""
         Bb, Tb, Sb = shape
         tok_buf, pos_buf, slot_buf = self._bufs
         out = self._outs.get((Bb, Tb))
@@ -587,9 +611,26 @@ class GraphCausalLM:
             vocab = self.runner.model.output.weight.shape[0]
             out = self._outs[(Bb, Tb)] = torch.empty(Bb, Tb, vocab, device=self.device)
         args = (tok_buf[:Bb, :Tb], pos_buf[:Bb], slot_buf[:Bb], Sb, out, stream)
+        feats = None
+        if layers:
+            feats = torch.empty(Bb, Tb, len(layers) * self.args.dim, device=self.device, dtype=self.dtype)
+        return self._capture_taps(args, out, feats, layers)
+
+    def _capture_taps(self, args: tuple, out: torch.Tensor, feats: Optional[torch.Tensor],
+                      layers: tuple[int, ...]) -> _Graph:
+        """`_capture` of `_static_forward(*args)`, with the states entering `layers` written into `feats`."""
+        if layers:
+            C = self.args.dim
+            self._taps = [(layer, feats[..., j * C:(j + 1) * C]) for j, layer in enumerate(layers)]
+        try:
+            return self._capture_forward(args, out, feats)
+        finally:
+            self._taps = None
+
+    def _capture_forward(self, args: tuple, out: torch.Tensor, feats: Optional[torch.Tensor]) -> _Graph:
         if not self.use_graphs:
             self._static_forward(*args)
-            return _Graph(None, out)
+            return _Graph(None, out, feats)
         t0 = time.perf_counter()
         # Warm up on a side stream (compilation, cuBLAS workspaces), as torch.cuda.graphs recommends. The
         # warm-up writes this call's own K/V, which the replay writes again (same values, same places).
@@ -607,7 +648,7 @@ class GraphCausalLM:
         graph.replay()
         self.stats.captures += 1
         self.stats.capture_s += time.perf_counter() - t0
-        return _Graph(graph, out)
+        return _Graph(graph, out, feats)
 
     def _static_forward(
         self,

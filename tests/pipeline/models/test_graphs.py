@@ -104,6 +104,36 @@ def test_static_path_equals_unbatched_eager_with_ragged_positions(tiny_models, t
     assert graph.stats.graph_calls == 1 + 3 and graph.stats.eager_calls == 2
 
 
+def test_features_on_the_static_path_equal_the_eager_runners(tiny_models):
+    """`forward_features` of host rows runs a graph per shape and layers (here static, uncaptured): rows at ragged
+    positions, padded, called twice per shape (the second reuses the entry); logits and the states entering the
+    layers (and the final normed state) equal the eager runner's, row by row."""
+    from pipeline.models.llama import FINAL_NORMED
+
+    torch.manual_seed(1)
+    graph, ref = _graph(tiny_models["llama"]), _eager(tiny_models["llama"])
+    lengths = {0: 5, 2: 9}
+    for slot, n in lengths.items():
+        prompt = torch.randint(0, 128, (1, n))
+        for m in (graph, ref):
+            m.forward(prompt, torch.tensor([0]), torch.tensor([slot]), n - 1)
+    layers = (0, 1, FINAL_NORMED)
+    for T in (1, 3, 3):
+        slots = [2, 0]
+        tokens = torch.randint(0, 128, (2, T))
+        positions = torch.tensor([lengths[s] for s in slots])
+        logits, feats = graph.forward_features(tokens, positions, torch.tensor(slots), layers)
+        assert feats.shape[:2] == (2, T)
+        for b, s in enumerate(slots):
+            want_logits, want_feats = ref.forward_features(tokens[b:b + 1], positions[b:b + 1], torch.tensor([s]),
+                                                           layers)
+            torch.testing.assert_close(logits[b:b + 1], want_logits, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(feats[b:b + 1], want_feats, rtol=1e-4, atol=1e-4)
+        lengths = {s: lengths[s] + 1 for s in lengths}  # all rejected but the first: the next call rolls back
+    assert graph.stats.eager_calls == 1 and graph.stats.graph_calls == 1 + 3  # the 9-token prefill ran eagerly
+    assert sorted(k[:2] for k in graph._graphs if len(k) == 4) == [(2, 1), (2, 4)]  # the second T = 3 call reused one
+
+
 def test_padding_rows_and_columns_never_touch_other_slots(tiny_models):
     graph = _graph(tiny_models["llama"], slots=6)
     runner = graph.runner
