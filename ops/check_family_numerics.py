@@ -24,12 +24,17 @@ the fraction of rows whose argmax agrees. Sections, most telling first:
   `graphs=False`), `graph-*` (captured CUDA graphs); `-triton` / `-sdpa` the attention, `-torchrope` without the
   fused RoPE/cache-write kernel, `-compile` with torch.compile'd pointwise work, `-ieee` the attention's float32
   products as IEEE. `hf-device` is HF itself on the device. `vs_eager` compares with the eager runner's logits.
+  Columns T13, T1, T2-5: the relative error of the ragged prefill call (T = 13, the static path's bucket 16), of
+  the decode calls and of the verify calls. `*-test-script`: tests/gpu/test_gpu_families.py's own check
+  (`check_against_hf`: a 48-position cache; max abs only, which the test holds under 1e-4); `hf-default-attn`:
+  HF as the test loads it (its default attention) against the eager reference.
 - `rope`, `inductor`, `fused`: the other Triton code on the path: the fused RoPE/cache-write kernel against its
   torch reference (with Gemma 3's (1 + weight) q/k norms or without), torch.compile'd pointwise functions of the
   graph path (GeGLU, sandwich and (1 + weight) norms, the final soft-cap) against the same functions uncompiled, and
   the bf16 fused layer's Gemma pieces (`add_norm`, the GeGLU gate linear).
 
-`--budget-s` stops starting new sections after that many seconds (rows left: `skipped`).
+`--budget-s` (default 140) starts no case after that many seconds (those rows say `skipped (budget)`); `--sections`
+picks sections.
 """
 
 from __future__ import annotations
