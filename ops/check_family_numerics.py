@@ -252,6 +252,7 @@ def fused_rows(device: torch.device) -> list[dict]:
     import torch.nn.functional as F
 
     from pipeline.models import fused_linear as fl
+    from pipeline.models.decode_attention import _sm_count
     from pipeline.models.llama import rms_norm
 
     rows = []
@@ -274,7 +275,10 @@ def fused_rows(device: torch.device) -> list[dict]:
             w = (torch.randn(N, K, generator=g) / K**0.5).to(bf).to(device)
             nw = (0.1 * torch.randn(K, generator=g)).to(bf).to(device)
             x = torch.randn(M, K, generator=g).to(bf).to(device)
-            got = fl.fused_linear(x, w, None, norm_w=nw, eps=1e-6, gate=True, norm_offset=True, act="gelu_pytorch_tanh")
+            sms = _sm_count(x.device)  # the default configuration: no tuning (it times many compilations)
+            config = fl.gemv_default(N, K, sms) if fl.gemv(M) else fl.default_config(M, N, K, sms, True, 2)
+            got = fl.fused_linear(x, w, None, norm_w=nw, eps=1e-6, gate=True, norm_offset=True, act="gelu_pytorch_tanh",
+                                  config=config)
             gate, up = F.linear(rms_norm(x, nw, 1e-6, True), w).chunk(2, dim=-1)
             rows.append({"section": "fused", "case": name, "variant": "triton", "tol": BF16_TOL,
                          **compare(got, F.gelu(gate, approximate="tanh") * up)})
