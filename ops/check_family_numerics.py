@@ -8,8 +8,9 @@ Per row: max |got - ref|, relative error ||got - ref|| / ||ref|| (as tests/gpu/t
 the fraction of rows whose argmax agrees. Sections, most telling first:
 
 - `attn`: the Triton slot attention alone (`triton_slot_attention`) against a plain float64 torch attention with the
-  same soft-cap and window, on random q/k/v: head_dim 16 (the tiny models) and 256 (Gemma 2's), T = 1 and 5, the
-  cache length as S (as the graph path passes it) and rows up to 10..300 positions (one key block, several, past
+  same soft-cap and window, on random q/k/v: head_dim 16 (the tiny models) and 256 (Gemma 2's), T = 1, 5 and 16,
+  the cache length as S (as the graph path passes it; 48, as in the GPU test, for the short contexts) and rows up
+  to 10..300 positions (one key block, several, past
   the window, past one split's chunk), automatic splits, one split (no combine) and four forced splits. A row is
   the worst over the contexts (named in `worst`).
 - `attn-prec`: the same soft-capped cases with the float32 dot products as "ieee" and "tf32" instead of the
@@ -98,13 +99,13 @@ def reference_attention(q, k_cache, v_cache, slots, pos, scale, window, softcap)
 
 def attention_inputs(D: int, T: int, context: int, S: int, device, seed: int):
     """A cache of 4 slots (the last the scratch slot) of S positions; rows in slots [2, 0, 1] at positions ending at
-    `context`, context // 3 and 7 (clipped), one padding row at position 0 on the scratch slot. q scaled so that the
+    `context`, context // 3 and 7 (at least T), one padding row at position 0 on the scratch slot. q scaled so that the
     logits reach ~10 (a cap of 5 changes them)."""
     G, Hkv, num_slots = 2, 2, 4
     g = torch.Generator().manual_seed(seed)
     k_cache = torch.randn(num_slots, Hkv, S, D, generator=g)
     v_cache = torch.randn(num_slots, Hkv, S, D, generator=g)
-    last = [context, max(context // 3, T), min(7, context)]  # each row's last query position + 1
+    last = [max(n, T) for n in (context, context // 3, min(7, context))]  # each row's last query position + 1
     starts = torch.tensor([n - T for n in last] + [0])
     pos = starts[:, None] + torch.arange(T)  # [4, T]
     slots = torch.tensor([2, 0, 1, num_slots - 1])
@@ -141,6 +142,7 @@ def attention_rows(device: torch.device, quick: bool, deadline: float, precision
     # head_dim 16 (the tiny models) over the whole grid; 256 (Gemma 2/3's) windowed, capped at 50 (Gemma 2's) or not
     # (Gemma 3): each constexpr combination is a Triton compilation, a second or so on the GPU
     grid = [(16, T, w, c, None) for T in (1, 5) for w in (None, 16) for c in caps]
+    grid += [(16, 16, w, c, None) for w in (None, 16) for c in caps[:2]]  # T = 16: 32 query rows, a taller block
     if not quick:
         grid += [(256, T, 16, c, None) for T in (1, 5) for c in (None, 50.0)]
     if precision_sweep:
