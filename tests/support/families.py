@@ -10,9 +10,11 @@ import torch
 WINDOW = 16  # the sliding window of the Gemma models (the tests run past it)
 
 
-def make_tiny_family(path: Path, family: str, seed: int = 0, safetensors: bool = True, hidden: int = 32) -> Path:
+def make_tiny_family(path: Path, family: str, seed: int = 0, safetensors: bool = True, hidden: int = 32,
+                     overrides: dict | None = None) -> Path:
     """A 3-layer random model of `family` (GQA 4/2 heads of 16, vocab 96, no EOS): Gemma's layers slide, go
-    global, slide; Gemma 3's global layer has linear RoPE scaling and the sliding ones their own base."""
+    global, slide; Gemma 3's global layer has linear RoPE scaling and the sliding ones their own base.
+    `overrides`: config keys set over these (e.g. `{"attn_logit_softcapping": None}`: Gemma 2 without the cap)."""
     import transformers
 
     common = dict(vocab_size=96, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=3,
@@ -29,6 +31,8 @@ def make_tiny_family(path: Path, family: str, seed: int = 0, safetensors: bool =
         rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                 "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}}
         config = transformers.Gemma3TextConfig(**common, **gemma, rope_parameters=rope)
+    if overrides:
+        config.update(overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # weights large enough that a wrong norm, mask or RoPE shows in the logits
