@@ -250,17 +250,11 @@ class GraphStats:
     shapes: dict = field(default_factory=dict)  # (Bb, Tb, Sb) -> calls
 
 
-def graph_path_reason(a: LlamaArgs, device: torch.device | str | None = None) -> str | None:
+def graph_path_reason(a: LlamaArgs) -> str | None:
     """None when the static-shape path computes this model's layers, else what it lacks (one line). It computes
-    every fast-path family (`families.FAMILIES`); an activation outside the fused gate's is the one gap. With a
-    CUDA `device` (the automatic choice, `maybe_graphs`), attention soft-capping is refused too: on an H100 the
-    captured float32 Gemma 2 graph with Triton attention did not match HF's logits (relative error 0.21; under the
-    Triton interpreter on the CPU it does, to 2e-6), so soft-capped models stay on the eager fast path there until
-    the GPU test (`tests/gpu/test_gpu_families.py`) passes. `GraphCausalLM` itself still builds them."""
+    every fast-path family (`families.FAMILIES`); an activation outside the fused gate's is the one gap."""
     if a.activation not in fl.GATE_ACTIVATIONS:
         return f"the graph path has no {a.activation} MLP"
-    if device is not None and torch.device(device).type == "cuda" and a.attn_softcap is not None:
-        return "attention soft-capping on the CUDA graph path is not yet verified against HF's logits"
     return None
 
 
@@ -785,7 +779,7 @@ def maybe_graphs(model: CausalLM, config: GraphConfig | None = None) -> CausalLM
     if isinstance(model, GraphCausalLM):
         return model
     if isinstance(model, LlamaCausalLM):
-        reason = graph_path_reason(model.args, model.device)
+        reason = graph_path_reason(model.args)
         if reason is None:
             return GraphCausalLM(model, config)
         if model.info.name not in _fallback_warned:

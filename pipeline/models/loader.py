@@ -87,7 +87,10 @@ def load_model(
     else:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype).to(device)
+        # Attention logit soft-capping (Gemma 2) is computed by the eager attention only: transformers' SDPA path
+        # leaves it out (seen with transformers 5.17 on CUDA, where SDPA is the default).
+        eager = {"attn_implementation": "eager"} if config_dict.get("attn_logit_softcapping") else {}
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **eager).to(device)
         vocab_size = model.get_output_embeddings().weight.shape[0]
 
     # A reduced draft vocabulary (a drafter made by `specserve distill`; see draft_vocab.py).
@@ -154,7 +157,7 @@ def _choice_line(folder: Path, config: dict[str, Any], reason: str | None, devic
         from pipeline.models.llama import LlamaArgs
 
         args = LlamaArgs.from_hf(config)
-        graphs, features = graph_path_reason(args, device), graph_features(args)
+        graphs, features = graph_path_reason(args), graph_features(args)
         if graphs is not None:
             line += f"; eager on CUDA, {graphs}"
         else:  # what the captured graphs' kernels take on beyond Llama's layer
