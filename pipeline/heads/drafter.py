@@ -63,6 +63,11 @@ class HeadDrafter:
         self._rows: dict[str, _Row] = {}
         self._free: list[int] = []
         self._out_ids = torch.arange(head.cfg.draft_vocab_size, device=self.device) + head.d2t if self.eagle else None
+        # EAGLE-3 drafts on static buffers, one CUDA graph per shape (`_StaticChain`), on a GPU; eagerly elsewhere
+        # (True on the CPU runs the static path uncaptured, for tests)
+        self.static = self.eagle and self.device.type == "cuda"
+        self._chains: dict[tuple, _StaticChain] = {}
+        self._graph_pool = None
 
     @classmethod
     def from_spec(cls, spec: str, target) -> "HeadDrafter":
@@ -93,6 +98,7 @@ class HeadDrafter:
         """EAGLE-3's KV cache: one slot per request the engine holds, as long as the target's cache."""
         if self.eagle and (self.head.num_slots < num_slots or self.head.max_len < max_len):
             self.head.allocate(num_slots, max_len)
+            self._chains.clear()  # their graphs point at the old cache
             self._free = [s for s in range(num_slots - 1, -1, -1) if s not in {r.slot for r in self._rows.values()}]
 
     def admit(self, request_id: str, context: Sequence[int]) -> None:
@@ -157,6 +163,21 @@ class HeadDrafter:
             for b in active:
                 num[b] = min(rows[b].num_draft, depth)
         return DraftBlock(tokens, torch.tensor(num, dtype=torch.int64, device=dev), top_ids, top_probs)
+
+    def _eagle_chain_static(self, states: list[_Row], depth: int, sampling: SamplingTensors, u: torch.Tensor,
+                            top_k: int, width: int, span: int):
+        key = (len(states), width, depth, top_k, sampling.all_greedy, sampling.any_greedy, sampling.needs_truncation,
+               span)
+        chain = self._chains.get(key)
+        if chain is None:
+            dtype = states[0].features[0].dtype
+            chain = self._chains[key] = _StaticChain(self, len(states), width, depth, top_k, sampling, span, dtype)
+        return chain.run(states, sampling, u)
+
+    def _pool(self):
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        return self._graph_pool
 
     @property
     def head_vocab(self) -> int:
@@ -238,10 +259,100 @@ class HeadDrafter:
         return logits[rows, last], r[rows, last]
 
     def _eagle_chain(self, states: list[_Row], depth: int, sampling: SamplingTensors, u: torch.Tensor, top_k: int):
+        width = depth + 1  # the pairs a step observes: the pending token and up to K accepted drafts
+        span = head_span_for(max(s.fed for s in states) + width + depth, self.head.max_len)
+        if self.static and span is not None:
+            for s in states:
+                if s.pending > width:  # (after a prefill) the older pairs first, eagerly
+                    self._read_head(s, keep=width)
+            return self._eagle_chain_static(states, depth, sampling, u, top_k, width, span)
         logits, r = self._read(states)
         slots = torch.tensor([s.slot for s in states], dtype=torch.int64)
         nxt = torch.tensor([s.fed for s in states], dtype=torch.int64)  # the pending token's position
         return eagle3_chain(self.head, logits, r, nxt, slots, depth, sampling, u, top_k, self._out_ids)
+
+
+def head_span_for(reach: int, max_len: int) -> int | None:
+    """The cache positions a static EAGLE-3 step attends over when its queries reach position `reach` - 1: a power
+    of two from 256 (a few graphs serve every context), at most the cache's length; None: past the cache."""
+    if reach > max_len:
+        return None
+    return min(max(256, 1 << (reach - 1).bit_length()), max_len)
+
+
+class _StaticChain:
+    """One shape of `HeadDrafter`'s static EAGLE-3 draft: the rows' unread pairs, padded to `width` columns, read into
+    the head's cache, then `eagle3_chain` over a fixed `span`, on static buffers: captured as one CUDA graph on a GPU
+    (on the CPU run as is). Padded columns write cache positions past a row's pairs, which the chain's own steps and
+    the next read overwrite before any query sees them (as `pipeline.device_loop` does)."""
+
+    def __init__(self, drafter: "HeadDrafter", A: int, width: int, depth: int, top_k: int, sampling: SamplingTensors,
+                 span: int, feat_dtype: torch.dtype) -> None:
+        dev, head = drafter.device, drafter.head
+        self.drafter, self.depth, self.top_k, self.span = drafter, depth, top_k, span
+        z = lambda *shape, dtype=torch.int64: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
+        self.tok, self.feat = z(A, width), z(A, width, head.fc.in_features, dtype=feat_dtype)
+        self.start, self.last, self.slots, self.pos = z(A), z(A), z(A), z(A)
+        self.u = z(A, depth, dtype=torch.float64)
+        self.sampling = SamplingTensors(z(A, dtype=torch.float32), z(A), z(A, dtype=torch.float32), z(A),
+                                        sampling.all_greedy, sampling.any_greedy, sampling.needs_truncation)
+        self.host = torch.zeros(5, A, width, dtype=torch.int64)  # tok, start, last, slots, pos: one copy
+        self.rows = torch.arange(A, device=dev)
+        self.graph = None
+        self.out = None
+
+    def run(self, states: list[_Row], sampling: SamplingTensors, u: torch.Tensor):
+        width = self.tok.shape[1]
+        h = self.host
+        h.zero_()
+        for b, s in enumerate(states):
+            n = s.pending
+            h[0, b, :n] = torch.tensor(s.tokens, dtype=torch.int64)
+            h[1:, b, 0] = torch.tensor([s.fed, n - 1, s.slot, s.fed + n])
+            self.feat[b, :n].copy_(torch.cat(s.features)[-n:])
+            s.fed += n
+            s.features, s.tokens = [], []
+        dev = h.to(self.tok.device, non_blocking=False)
+        self.tok.copy_(dev[0])
+        for dst, i in ((self.start, 1), (self.last, 2), (self.slots, 3), (self.pos, 4)):
+            dst.copy_(dev[i, :, 0])
+        st = self.sampling
+        for dst, src in ((st.temperature, sampling.temperature), (st.top_k, sampling.top_k),
+                         (st.top_p, sampling.top_p), (st.seeds, sampling.seeds)):
+            dst.copy_(src)
+        self.u.copy_(u[:, :self.depth])
+        assert width == self.tok.shape[1]
+        if self.out is None:
+            self.out = self._capture()
+        elif self.graph is not None:
+            self.graph.replay()
+        else:
+            self.out = self._body()
+        return tuple(t.clone() for t in self.out)
+
+    def _body(self):
+        hd = self.drafter
+        logits, r = hd.head.step(self.tok, self.feat, self.start, self.slots, fused=True, span=self.span)
+        return eagle3_chain(hd.head, logits[self.rows, self.last], r[self.rows, self.last], self.pos, self.slots,
+                            self.depth, self.sampling, self.u, self.top_k, hd._out_ids, self.span)
+
+    def _capture(self):
+        dev = self.tok.device
+        if dev.type != "cuda":
+            return self._body()
+        # Warm-up on a side stream (as torch.cuda.graphs recommends); it writes the same cache entries the replay
+        # writes again.
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._body()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=self.drafter._pool()):
+            out = self._body()
+        self.graph.replay()
+        return out
 
 
 @dataclass

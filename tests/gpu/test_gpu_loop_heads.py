@@ -38,9 +38,13 @@ def checkpoints(tmp_path_factory):
 def test_heads_on_the_captured_loop_equal_the_step_path_fp32(checkpoints, name):
     prompts = [[5, 17, 33, 17, 33, 9], list(range(40, 70)), [100, 7]]
     runs = {}
-    for loop in (False, True):
+    # the step path with EAGLE-3's draft eager and captured (`HeadDrafter.static`), and the device loop
+    for loop, static in ((False, False), (False, True), (True, True)):
+        if static and name != "eagle3" and not loop:
+            continue
         target = random_llama(TINY, torch.device("cuda"), torch.float32, seed=3)
         drafter = HeadDrafter.from_spec(f"{name}:{checkpoints[name]}", target)
+        drafter.static = static and drafter.eagle
         engine = SpeculativeEngine(target, None, drafter, EngineConfig(max_batch_size=3, max_seq_len=128,
                                                                        device_loop=loop))
         greedy = [SamplingParams(max_tokens=m, ignore_eos=True) for m in (40, 9, 33)]
@@ -51,10 +55,14 @@ def test_heads_on_the_captured_loop_equal_the_step_path_fp32(checkpoints, name):
             results = engine.generate_batch(prompts, p, SpecParams(4))
             out.append(([r.token_ids for r in results], [(r.stats["target_passes"], r.stats["accepted"])
                                                           for r in results]))
-        runs[loop] = out
+        runs[loop, static] = out
         if loop:
             assert engine._loops and all(lp._graph is not None and lp.head is drafter for lp in engine._loops.values())
             assert engine.target.stats.host_syncs == 0
-    assert runs[True] == runs[False]
-    assert runs[True][1] == runs[True][2]  # seeded requests replay
-    assert sum(a for _, a in runs[True][1][1]) > 0  # drafts were accepted: the heads' distributions took part
+        elif drafter.static:
+            assert drafter._chains and all(c.graph is not None for c in drafter._chains.values())
+    assert runs[True, True] == runs[False, False]
+    if name == "eagle3":
+        assert runs[False, True] == runs[False, False]
+    assert runs[True, True][1] == runs[True, True][2]  # seeded requests replay
+    assert sum(a for _, a in runs[True, True][1][1]) > 0  # drafts were accepted: the heads' distributions took part
