@@ -141,11 +141,12 @@ class DrafterConfig(_Strict):
     batch_wait_ms: float = Field(0.0, ge=0, le=50, description="As for the target; 0: never wait.")
     head_placement: Literal["target", "drafter"] = Field(
         "target",
-        description="Where a feature head (draft 'eagle3:DIR' or 'medusa:DIR') runs. 'target': inside the target "
-        "worker, which drafts each step's block itself right before verifying it (no hop; the head's cache slot "
-        "lives with the request's target slot). 'drafter': on drafter replicas, fed with the target's hidden states "
-        "of the committed positions that each verdict carries (EAGLE-3: the three auxiliary layers' states; Medusa: "
-        "the final normed state); no pre-speculation. Ignored for other drafters.",
+        description="Where a feature head (draft 'eagle3:DIR' or 'medusa:DIR', or one behind prompt lookup, "
+        "'lookup+eagle3:DIR') runs. 'target': inside the target worker, which drafts each step's block itself right "
+        "before verifying it (no hop; the head's cache slot lives with the request's target slot; prompt lookup, if "
+        "any, runs there too, over the worker's copy of the committed context). 'drafter': on drafter replicas, fed "
+        "with the target's hidden states of the committed positions that each verdict carries (EAGLE-3: the three "
+        "auxiliary layers' states; Medusa: the final normed state); no pre-speculation. Ignored for other drafters.",
     )
     device: str = "cpu"
     dtype: str = "float32"
@@ -158,13 +159,17 @@ class DrafterConfig(_Strict):
                              f"(folder, .gguf or shipped name), '{HYBRID_PREFIX}MODEL' or '{NO_DRAFT}'")
         if is_synthetic(v):
             parse_synthetic(v)  # a ValueError names the expected form
-        if is_head(v) and v.startswith(HYBRID_PREFIX):
-            raise ValueError(f"drafter.draft={v!r}: Serve places a feature head alone (medusa:DIR, eagle3:DIR), "
-                             "not behind prompt lookup")
         if is_self(v) or (v.startswith(HYBRID_PREFIX) and is_self(v[len(HYBRID_PREFIX):])):
             raise ValueError(f"drafter.draft={v!r}: self-speculation drafts with the target's own cache, in process "
                              "only (specserve generate, bench, SpeculativeEngine); Serve does not place it")
         return v
+
+    @model_validator(mode="after")
+    def _hybrid_head_in_target(self) -> "DrafterConfig":
+        if is_head(self.draft) and self.draft.startswith(HYBRID_PREFIX) and self.head_placement != "target":
+            raise ValueError(f"drafter.draft={self.draft!r}: a feature head behind prompt lookup runs in the target "
+                             "worker only (head_placement 'target'), where the context the lookup reads is")
+        return self
 
     @property
     def drafts(self) -> bool:

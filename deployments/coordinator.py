@@ -134,7 +134,7 @@ class Coordinator:
         self.head_on_drafter = d.head is not None and not d.head_in_target
         # Prompt lookup (alone or before the model: hybrid) or suffix decoding, in-process. Suffix decoding's store of
         # finished outputs is this replica's own (pipeline.suffix says why it is not shared through Redis).
-        self.lookup = lookup_part(d.draft)
+        self.lookup = None if d.head_in_target else lookup_part(d.draft)  # a head's lookup runs beside it
         self.owner = f"{ctx.replica_id.unique_id}:{uuid.uuid4().hex[:8]}"
         self.active = 0
         # Abandon tasks (mark a request cancelled, free its slots) run after their stream is gone: the loop keeps

@@ -46,12 +46,12 @@ from deployments.config import TARGET, AppConfig
 from deployments.messages import PREFILL_CHUNK, HeadFeatures, VerifyCall
 from deployments.tp_group import leader_runner, spawn_tensor_parallel_workers
 from deployments.workers import CACHE_MISS, STALE, EpochFence, ModelHost, kv_slots, spawn_workers, warm_up
-from pipeline.drafters import ProposeRow
+from pipeline.drafters import HybridDrafter, PromptLookupDrafter, ProposeRow, build_drafter
 from pipeline.heads.drafter import HeadDrafter
 from pipeline.models.graphs import graphs_on_cuda
 from pipeline.models.loader import load_model
 from pipeline.sampling import SamplingTensors
-from pipeline.step import CACHE_SLACK, Verdict, pack, propose, verify_and_accept
+from pipeline.step import CACHE_SLACK, Verdict, catch_up, pack, propose, verify_and_accept
 
 logger = logging.getLogger(__name__)
 
@@ -85,13 +85,18 @@ class TargetWorker:
         self.device = torch.device(device)
         self.num_slots = num_slots
         self.head: Optional[HeadDrafter] = None  # the feature head this worker runs (head_in_target)
+        self.drafter: Any = None  # what drafts here: the head, or prompt lookup before it (`HybridDrafter`)
+        self._lookup: Optional[PromptLookupDrafter] = None  # that prompt lookup, which reads `_ctx`
+        self._ctx: dict[str, list[int]] = {}  # with a lookup: request id -> its committed tokens (pending last)
         self.feature_layers: tuple[int, ...] = ()  # the states a pass computes for a head, here or elsewhere
         if head is not None:
-            drafter = HeadDrafter.from_spec(head, self.model)
-            self.feature_layers = drafter.feature_layers
+            drafter = build_drafter(head, self.model.info, None, target=self.model)
+            hd = drafter.model if isinstance(drafter, HybridDrafter) else drafter
+            self.feature_layers = hd.feature_layers
             if head_in_target:
-                drafter.allocate(num_slots, max_seq_len + CACHE_SLACK)
-                self.head = drafter
+                hd.allocate(num_slots, max_seq_len + CACHE_SLACK)
+                self.head, self.drafter = hd, drafter
+                self._lookup = drafter.lookup if isinstance(drafter, HybridDrafter) else None
             if world_size == 1:
                 warm_up(self.model, num_slots, "target (head's states)", self.feature_layers)
         self._head_read: dict[str, int] = {}  # request id -> committed positions [0, n) its head has read
@@ -186,8 +191,9 @@ class TargetWorker:
         self._prefilling.pop(rid, None)
         self._fed.pop(rid, None)
         self._prefix_features.pop(rid, None)
-        if self._head_read.pop(rid, None) is not None and self.head is not None:
-            self.head.release(rid)
+        self._ctx.pop(rid, None)
+        if self._head_read.pop(rid, None) is not None and self.drafter is not None:
+            self.drafter.release(rid)
 
     def _preempt(self, rid: str) -> None:
         """On the event loop, after a pass that ran out of memory: take `rid`'s slot back and retire it."""
@@ -247,8 +253,13 @@ class TargetWorker:
                     self._fed[r.request_id] = r.start
                     if r.start == 0:
                         self._prefilled(r, 0, None)
+                    if self._lookup is not None:  # the lookup indexes the committed tokens afresh
+                        self._ctx[r.request_id] = list(r.prefix) + [r.pending]
+                        self._lookup.release(r.request_id)
+                        self._lookup.admit(r.request_id, self._ctx[r.request_id])
                 elif self._fed.get(r.request_id, -1) < r.start or (
-                        self.head is not None and self._head_read.get(r.request_id) != r.start):
+                        self.head is not None and self._head_read.get(r.request_id) != r.start) or (
+                        self._lookup is not None and len(self._ctx.get(r.request_id, ())) != r.start + 1):
                     results[b] = CACHE_MISS
                     continue
                 live.append(b)
@@ -270,15 +281,19 @@ class TargetWorker:
         positions = torch.tensor([r.start for r in rows], dtype=torch.int64)
         sampling = SamplingTensors.from_params([r.params for r in rows], dev)
         steps = torch.tensor([r.step for r in rows], dtype=torch.int64, device=dev)
-        if self.head is not None and any(r.head_draft > 0 for r in rows):  # the engine's propose, on this worker
-            heads = [ProposeRow(r.request_id, (), r.head_draft, r.params.greedy) for r in rows]
-            draft = propose(self.head, heads, sampling, steps, max(r.draft_top_k for r in rows) or 1)
+        if self.drafter is not None and any(r.head_draft > 0 for r in rows):  # the engine's propose, on this worker
+            heads = [ProposeRow(r.request_id, self._ctx.get(r.request_id, ()), r.head_draft, r.params.greedy)
+                     for r in rows]
+            catch_up(self.drafter, heads)  # prompt lookup indexes the tokens committed since
+            draft = propose(self.drafter, heads, sampling, steps, max(r.draft_top_k for r in rows) or 1).to(dev)
         else:
             draft = pack([r.draft for r in rows])
         verdicts = verify_and_accept(self.model, pending, draft, positions, slots, sampling, steps,
                                      self.feature_layers)
         for r, v in zip(rows, verdicts):
             self._fed[r.request_id] = max(self._fed.get(r.request_id, 0), r.start + 1 + v.num_draft)
+            if r.request_id in self._ctx:
+                self._ctx[r.request_id].extend(v.tokens)
             if v.features is None:
                 continue
             if self.head is not None:  # the head reads the newly committed positions' states here

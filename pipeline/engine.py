@@ -38,7 +38,7 @@ from pipeline.drafters import Drafter, HybridDrafter, ModelDrafter, ProposeRow, 
 from pipeline.models.base import CausalLM, warmup
 from pipeline.models.graphs import GraphConfig, graphs_on_cuda
 from pipeline.models.loader import load_model
-from pipeline.models.store import DEMO_DRAFT, DEMO_HEAD, DEMO_TARGET, resolve
+from pipeline.models.store import DEMO_HEAD, DEMO_TARGET, resolve
 from pipeline.sampling import SamplingTensors
 from pipeline.self_spec import LongContextDrafter, SelfSpecDrafter, auto_self_spec
 from pipeline.sequence import RequestState
@@ -60,15 +60,14 @@ from pipeline.tree import TreeDrafter, supports_tree
 log = logging.getLogger(__name__)
 
 
-def default_draft(target: str | None, served: bool = False) -> str:
-    """The default drafter for a target. In process, the demo target gets its shipped EAGLE-3 head behind prompt
-    lookup ("lookup+eagle3:smollm2-135m-eagle3": 1.56x target-only on the 2-core CPU, one stream, against 1.40x for
-    "lookup+smollm2-135m-distill"); `served` (what `specserve serve` deploys) keeps the distilled drafter behind
-    prompt lookup, since a Serve config runs a head alone only. Any other target gets prompt lookup: no shipped
-    drafter shares its tokenizer."""
+def default_draft(target: str | None) -> str:
+    """The default drafter for a target, in process and in Serve alike. The demo target gets its shipped EAGLE-3 head
+    behind prompt lookup ("lookup+eagle3:smollm2-135m-eagle3": 1.56x target-only on the 2-core CPU, one stream,
+    against 1.40x for "lookup+smollm2-135m-distill"; in Serve both run in the target worker). Any other target gets
+    prompt lookup: no shipped drafter shares its tokenizer."""
     if target not in (None, DEMO_TARGET):
         return PROMPT_LOOKUP
-    return HYBRID_PREFIX + (DEMO_DRAFT if served else EAGLE3_PREFIX + DEMO_HEAD)
+    return HYBRID_PREFIX + EAGLE3_PREFIX + DEMO_HEAD
 
 
 @dataclass

@@ -353,11 +353,21 @@ class ExternalRedis:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def app_config(config: ChaosConfig, setup: str, redis_url: Optional[str]) -> dict[str, Any]:
+def campaign_draft(target: Optional[str]) -> str:
+    """The campaign's default drafter: for the demo target its distilled draft model behind prompt lookup, whose
+    drafter replicas the drafter faults kill (the default drafter, a head in the target worker, has none); for any
+    other target its default."""
+    from pipeline.config import HYBRID_PREFIX
     from pipeline.engine import default_draft
+    from pipeline.models.store import DEMO_DRAFT, DEMO_TARGET
+
+    return HYBRID_PREFIX + DEMO_DRAFT if target in (None, DEMO_TARGET) else default_draft(target)
+
+
+def app_config(config: ChaosConfig, setup: str, redis_url: Optional[str]) -> dict[str, Any]:
 
     slots = config.concurrency + 4
-    draft = config.draft or default_draft(config.target, served=True)
+    draft = config.draft or campaign_draft(config.target)
     drafter: dict[str, Any] = {"draft": draft, "max_batch_size": slots,
                                "resources": {"num_replicas": config.drafter_replicas}}
     target: dict[str, Any] = {"model": config.target, "max_seq_len": config.max_seq_len, "max_batch_size": slots}
@@ -552,12 +562,11 @@ def run_campaign(config: ChaosConfig, out_dir: Optional[str | Path] = "load-out/
 
     from deployments.config import DrafterConfig
     from deployments.ray_env import apply_ray_defaults
-    from pipeline.engine import default_draft
     from pipeline.models.store import resolve
 
     apply_ray_defaults()
     # Models resolved (on first use downloaded and converted) once here, as `specserve serve` does.
-    drafter = DrafterConfig(draft=config.draft or default_draft(config.target, served=True))
+    drafter = DrafterConfig(draft=config.draft or campaign_draft(config.target))
     config.draft = drafter.with_model(str(resolve(drafter.model))).draft if drafter.uses_model else drafter.draft
     config.target = str(resolve(config.target))
     started = http_port is None

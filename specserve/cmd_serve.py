@@ -1,7 +1,7 @@
 """`specserve serve`: start Ray locally, Redis (embedded unless --redis-url / REDIS_URL), every deployment on
 this machine's CPU with the demo pair, print the URL, serve until Ctrl-C, then shut everything down.
 
-    specserve serve                                  # demo target + lookup+smollm2-135m-distill, port 8000
+    specserve serve                                  # demo target + lookup+eagle3:smollm2-135m-eagle3, port 8000
     specserve serve --config ops/deploy/serve-demo.yaml --port 8001
     specserve serve --draft path/to/drafter -k 4 --redis-url redis://host:6379/0
 
@@ -49,8 +49,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--draft", default=None,
                    help="drafter: 'prompt-lookup', 'suffix', 'none', a drafter model folder, or 'lookup+MODEL' "
                         "(prompt lookup where the context matches, the model on drafter replicas elsewhere). Default: "
-                        "the config "
-                        "file's; without one, lookup+smollm2-135m-distill for the demo target, else prompt-lookup")
+                        "the config file's; without one, lookup+eagle3:smollm2-135m-eagle3 for the demo target, else "
+                        "prompt-lookup")
     p.add_argument("-k", "--num-draft-tokens", type=int, default=None, help="default K per request")
     p.add_argument("--redis-url", default=None, help="external Redis (default: $REDIS_URL, else embedded)")
     p.add_argument("--served-model-name", default=None)
@@ -96,7 +96,7 @@ def load_config(args: argparse.Namespace):  # -> deployments.config.AppConfig
     if draft in (None, "default") and "draft" not in (data.get("drafter") or {}):
         from pipeline.engine import default_draft  # as `generate`: the target's default drafter
 
-        draft = default_draft((data.get("target") or {}).get("model"), served=True)
+        draft = default_draft((data.get("target") or {}).get("model"))
     if draft not in (None, "default"):
         put("drafter.draft", draft)  # the same words as the config's drafter.draft
     put("speculation.num_draft_tokens", args.num_draft_tokens)

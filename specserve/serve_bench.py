@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     apply_ray_defaults()
     torch.set_num_threads(args.threads)
     target = str(resolve(None))
-    draft = args.draft or default_draft(None, served=True)  # what `specserve serve` deploys for the demo target
+    draft = args.draft or default_draft(None)  # what `specserve serve` deploys for the demo target
     model_part = draft_model_spec(draft)
     if model_part is not None:
         model_path = str(resolve(model_part))

@@ -1,5 +1,5 @@
-"""A Serve config takes a feature head alone (placed in the target or on drafter replicas), refuses one behind prompt
-lookup, and refuses the self-speculation drafter words with the reason (they run in process only)."""
+"""A Serve config takes a feature head alone (placed in the target or on drafter replicas) or behind prompt lookup (in
+the target only), and refuses the self-speculation drafter words with the reason (they run in process only)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ def test_self_speculation_is_refused_in_a_serve_config(word):
         DrafterConfig(draft=word)
 
 
-def test_a_feature_head_behind_prompt_lookup_is_refused():
-    with pytest.raises(ValidationError, match="feature head alone"):
-        DrafterConfig(draft="lookup+eagle3:/heads/e3")
+def test_a_feature_head_behind_prompt_lookup_runs_in_the_target_only():
+    in_target = AppConfig(drafter={"draft": "lookup+eagle3:/heads/e3"})
+    assert in_target.drafter.head_in_target and DRAFTER not in deployment_options(in_target)
+    with pytest.raises(ValidationError, match="in the target worker only"):
+        DrafterConfig(draft="lookup+eagle3:/heads/e3", head_placement="drafter")
 
 
 @pytest.mark.parametrize("word", ["eagle3:/heads/e3", "medusa:/heads/m"])

@@ -40,9 +40,11 @@ def heads(tmp_path_factory):
     target = make_tiny_llama(root / "target", vocab_size=V, hidden=32, layers=6, heads=4, kv_heads=2,
                              max_position_embeddings=512, seed=11)
     cfg = json.loads((target / "config.json").read_text())
+    eagle3 = f"eagle3:{make_eagle3_checkpoint(root / 'eagle3', cfg, draft_vocab=96, seed=3)}"
     return {
         "target": str(target),
-        "eagle3": f"eagle3:{make_eagle3_checkpoint(root / 'eagle3', cfg, draft_vocab=96, seed=3)}",
+        "eagle3": eagle3,
+        "lookup+eagle3": f"lookup+{eagle3}",  # prompt lookup first, the head elsewhere: both in the target worker
         "medusa": f"medusa:{make_medusa_checkpoint(root / 'medusa', 32, V, heads=3, layers=1, seed=1)}",
     }
 
@@ -165,23 +167,26 @@ def run_multi_step(heads, word: str, params, steps_per_call: int) -> tuple[list[
             async for verdict in target.verify_steps(call):
                 assert isinstance(verdict, Verdict) and not state.finished
                 steps.append(commit(state, verdict)[0])
-        return steps, state
+        return steps, state, target
 
     return asyncio.run(play())
 
 
-@pytest.mark.parametrize("word", ["eagle3", "medusa"])
+@pytest.mark.parametrize("word", ["eagle3", "medusa", "lookup+eagle3"])
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_multi_step_calls_run_the_engines_steps(heads, word, sampling):
     """A worker that feeds itself several passes a call emits, step for step, what the engine does (so does a
-    request whose token budget ends inside a call: 40 tokens in calls of 6 passes)."""
+    request whose token budget ends inside a call: 80 tokens in calls of 6 passes). Behind prompt lookup, the lookup
+    reads the worker's copy of the committed tokens and drafts some of the steps."""
     from pipeline.config import SamplingParams
 
-    want_steps, result = engine_steps(heads, heads[word], sampling)
-    params = SamplingParams(max_tokens=40, ignore_eos=True, **{"seed": result.seed, **sampling})
-    steps, state = run_multi_step(heads, heads[word], params, steps_per_call=6)
+    want_steps, result = engine_steps(heads, heads[word], sampling, max_tokens=80)
+    params = SamplingParams(max_tokens=80, ignore_eos=True, **{"seed": result.seed, **sampling})
+    steps, state, target = run_multi_step(heads, heads[word], params, steps_per_call=6)
     assert steps == want_steps
-    assert state.stats.accepted == result.stats["accepted"]
+    assert state.stats.drafted == result.stats["drafted"] and state.stats.accepted == result.stats["accepted"]
+    if word.startswith("lookup+") and sampling is GREEDY:  # (the sampled output repeats itself too little)
+        assert target.drafter.lookup_rows > 0 and target.drafter.model_rows > 0
 
 
 @pytest.mark.parametrize("word", ["eagle3", "medusa"])
@@ -236,13 +241,18 @@ def complete(url: str, model: str, body: dict) -> tuple[list[int], dict]:
     return ids, final["speculation"]
 
 
+# The app with the head in the target runs it behind prompt lookup, as `specserve serve` deploys the demo target's.
+IN_TARGET = "lookup+eagle3"
+
+
 def deploy(heads, placement: str):
     from deployments.app import build_app
 
     config = {
         "served_model_name": f"tiny-head-{placement}",
         "target": {"model": heads["target"], "max_seq_len": MAX_SEQ_LEN, "max_batch_size": 2},
-        "drafter": {"draft": heads["eagle3"], "head_placement": placement, "max_batch_size": 2},
+        "drafter": {"draft": heads[IN_TARGET if placement == "target" else "eagle3"], "head_placement": placement,
+                    "max_batch_size": 2},
         "coordinator": {"adaptive_k": False},
         "speculation": {"num_draft_tokens": K},
     }
@@ -268,7 +278,7 @@ def head_on_drafter(heads):
 @pytest.mark.slow
 def test_served_head_in_the_target_equals_the_engine(heads, head_in_target):
     url, model = head_in_target
-    want_greedy = engine_steps(heads, heads["eagle3"], GREEDY)[1]
+    want_greedy = engine_steps(heads, heads[IN_TARGET], GREEDY)[1]
     ids, spec = complete(url, model, {"max_tokens": 40, **GREEDY})
     assert ids == want_greedy.token_ids
     assert spec["drafted"] == want_greedy.stats["drafted"] > 0 and spec["accepted"] == want_greedy.stats["accepted"]
@@ -276,7 +286,7 @@ def test_served_head_in_the_target_equals_the_engine(heads, head_in_target):
     assert spec["multi_step_calls"] >= 1  # after the prefill the worker fed itself several passes a call
     first, _ = complete(url, model, {"max_tokens": 40, **SEEDED})
     again, _ = complete(url, model, {"max_tokens": 40, **SEEDED})
-    assert first == again == engine_steps(heads, heads["eagle3"], SEEDED)[1].token_ids
+    assert first == again == engine_steps(heads, heads[IN_TARGET], SEEDED)[1].token_ids
 
 
 @pytest.mark.slow
@@ -286,7 +296,7 @@ def test_served_head_in_the_target_resumes_from_redis(heads, head_in_target):
     engine's."""
     url, model = head_in_target
     # Long enough that the cancellation reaches the coordinator before the request could finish.
-    want = engine_steps(heads, heads["eagle3"], GREEDY, max_tokens=240)[1].token_ids
+    want = engine_steps(heads, heads[IN_TARGET], GREEDY, max_tokens=240)[1].token_ids
     body = {"model": model, "prompt": PROMPT, "stream": True, "ignore_eos": True, "max_tokens": 240, **GREEDY}
     ids, last = [], None
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:

@@ -278,8 +278,9 @@ def test_cli_overrides_the_config_file():
     assert c.target.resources.torch_threads == 2 and c.coordinator.overlap is False
     assert c.target.max_seq_len == 2048  # from the file
     assert load_config(_serve_args("--draft", "none")).drafter.draft == "none"
-    demo = load_config(_serve_args())  # the demo target: prompt lookup + its shipped distilled drafter
-    assert demo.drafter.draft == "lookup+smollm2-135m-distill" and demo.drafter.model == "smollm2-135m-distill"
+    demo = load_config(_serve_args())  # the demo target: prompt lookup + its shipped EAGLE-3 head, in the target
+    assert demo.drafter.draft == "lookup+eagle3:smollm2-135m-eagle3" and demo.drafter.head_in_target
+    assert demo.drafter.model is None
     assert load_config(_serve_args("--target", "/m/other")).drafter.draft == "prompt-lookup"  # the target's default
     # a config file that names its drafter keeps it
     assert load_config(_serve_args("--config", "ops/deploy/serve-demo.yaml")).drafter.draft == "prompt-lookup"
