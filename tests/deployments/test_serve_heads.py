@@ -5,9 +5,11 @@ The first tests drive the worker classes by hand (no Ray), the coordinator's loo
 in-process engine: with the head in the target every step is the engine's (greedy and seeded); with the head on a
 drafter replica the first step has no draft (the head has read nothing yet) and the output is the target's greedy
 output, a seeded request replays; a target worker that restarts mid-request re-prefills and its head reads the
-committed tokens again. The last ones run one app per placement (real Ray, real Redis, HTTP): greedy output equals the
-engine's token for token, seeded requests replay (and, head in the target, equal the engine's), and a request resumed
-from Redis (Last-Event-ID after the client left) ends with the engine's tokens.
+committed tokens again; multi-step calls (the worker feeding itself several passes) emit the engine's steps, behind
+prompt lookup too. The last ones run one app per placement (real Ray, real Redis, HTTP; in the target the head runs
+behind prompt lookup, as the demo target's default does): greedy output equals the engine's token for token, seeded
+requests replay (and, head in the target, equal the engine's), and a request resumed from Redis (Last-Event-ID after
+the client left) ends with the engine's tokens.
 
 Sampled outputs follow the target's distribution because the steps are the engine's (`pipeline.step`, the same
 verification and acceptance code); the distribution test with its negative control runs on the engine
