@@ -95,6 +95,8 @@ class RequestStats:
             if self.target_passes
             else 0.0,
             "acceptance_by_position": [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)],
+            "drafted_at": list(self.drafted_at),  # the counts behind it: drafts verified at each position
+            "accepted_at": list(self.accepted_at),
             "wall_time_s": wall,
             "time_to_first_token_s": None if self.first_token_time is None else self.first_token_time - self.start_time,
             "tokens_per_s": self.generated / wall,
