@@ -436,5 +436,8 @@ def deployment_options(config: AppConfig) -> dict[str, dict[str, Any]]:
             "num_replicas": 1,
             "ray_actor_options": {"num_cpus": 0},
             "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S,
+            # as the model replicas: a redis-server that died is noticed (3 failed checks) and its replica replaced
+            # within seconds, not Serve's default 30
+            "health_check_period_s": 2.0,
         }
     return out
