@@ -1,8 +1,7 @@
 """Admission end to end on CPU: real Ray Serve, real Redis (embedded), real HTTP clients (openai, httpx), a target
 replica with 2 KV-cache slots and a queue of 3 (the app of tests/support/small_app.py, shared with the one-step
-test). More concurrent requests than slots all complete with the target's
-greedy tokens and no replay; a request beyond the queue gets 429 with Retry-After; requests whose clients leave
-give their slots and places back."""
+test). More concurrent requests than slots all complete with the target's greedy tokens and no replay; a request
+beyond the queue gets 429 with Retry-After; requests whose clients leave give their slots and places back."""
 
 from __future__ import annotations
 
