@@ -13,9 +13,8 @@ and `args:` (the fields of AppConfig) use `app_builder`; see ops/deploy/serve-de
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Union
 
-import ray
 from ray import serve
 from ray.serve import Application
 
@@ -30,43 +29,10 @@ from deployments.config import (
 )
 from deployments.coordinator import Coordinator
 from deployments.drafter_replica import DrafterServer
-from deployments.embedded_redis import EmbeddedRedis
 from deployments.ingress import make_ingress
 from deployments.redis_conn import check_reachable
+from deployments.redis_replica import RedisServer
 from deployments.target_replica import TargetServer
-
-
-class RedisServer:
-    """Serve replica owning the embedded redis-server process (dev / single-node; use REDIS_URL in prod).
-
-    It listens on 127.0.0.1 (`embedded_redis_bind: loopback`, the default) or on its node's IP (`node_ip`), with a
-    password generated at each start that `url` hands to the replicas that connect."""
-
-    def __init__(self, bind: str = "loopback") -> None:
-        self.loopback = bind == "loopback"
-        self.node_id = ray.get_runtime_context().get_node_id()
-        host = "127.0.0.1" if self.loopback else ray.util.get_node_ip_address()
-        self.server = EmbeddedRedis(host=host).start()
-
-    async def url(self, client_node_id: Optional[str] = None) -> str:
-        """The URL, password included. `client_node_id`: the asking replica's Ray node; one on another node than a
-        loopback server is refused with what to change."""
-        if self.loopback and client_node_id and client_node_id != self.node_id:
-            raise RuntimeError(
-                f"the embedded Redis listens on 127.0.0.1 of Ray node {self.node_id}, which a replica on node "
-                f"{client_node_id} cannot reach: set embedded_redis_bind: node_ip, place the Ingress and Coordinator "
-                "replicas on the EmbeddedRedis node, or set redis_url"
-            )
-        return self.server.url
-
-    async def check_health(self) -> None:
-        if not self.server.running:
-            raise RuntimeError("embedded redis-server exited")
-
-    def __del__(self) -> None:
-        server = getattr(self, "server", None)
-        if server is not None:
-            server.stop()
 
 
 def build_app(config: Union[AppConfig, dict[str, Any], None] = None) -> Application:

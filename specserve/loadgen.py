@@ -1,7 +1,8 @@
 """Load generator: N concurrent streaming clients against an OpenAI-compatible HTTP API.
 
 Closed loop: each of `concurrency` clients sends a request, reads its SSE stream to the end, and sends the
-next, until `num_requests` have been sent or `duration_s` has passed (both bounds are enforced). Per request
+next, until `num_requests` have been sent, `duration_s` has passed (both bounds are enforced) or the caller's `stop`
+event is set (requests in flight then finish). Per request
 it records the time of the first content chunk (TTFT), the gaps between content chunks (inter-token
 latency, ITL: speculative decoding streams several tokens per chunk, so this is the gap a reader sees),
 the usage and specserve's `speculation` stats from the final chunk, and errors. The queue wait of a request
@@ -21,6 +22,7 @@ import asyncio
 import json
 import math
 import random
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -212,8 +214,9 @@ async def _resolve_model(client: Any, config: LoadConfig) -> str:
 
 
 async def run_load(config: LoadConfig, prompts: Sequence[str], progress: bool = True,
-                   ) -> tuple[list[RequestRecord], float, str]:
-    """Run the load; return (records in send order, wall time of the run in s, model id)."""
+                   stop: threading.Event | None = None) -> tuple[list[RequestRecord], float, str]:
+    """Run the load; return (records in send order, wall time of the run in s, model id). `stop` (set from another
+    thread): send no further request."""
     rng = random.Random(config.seed)
     order = [rng.randrange(len(prompts)) for _ in range(config.num_requests)]
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
@@ -232,7 +235,8 @@ async def run_load(config: LoadConfig, prompts: Sequence[str], progress: bool = 
 
         async def worker(client_id: int) -> None:
             nonlocal next_index, tokens
-            while next_index < config.num_requests and time.perf_counter() < deadline:
+            while (next_index < config.num_requests and time.perf_counter() < deadline
+                   and not (stop is not None and stop.is_set())):
                 i = next_index
                 next_index += 1
                 prompt = prompts[order[i]]
@@ -494,9 +498,9 @@ def write_plots(records: Sequence[RequestRecord], out_dir: Path) -> list[Path]:
 
 
 def run(config: LoadConfig, prompts: Sequence[str], out_dir: str | Path | None, progress: bool = True,
-        plots: bool = True) -> dict[str, Any]:
-    """Run the load, write the outputs, return the summary."""
-    records, wall, model = asyncio.run(run_load(config, prompts, progress=progress))
+        plots: bool = True, stop: threading.Event | None = None) -> dict[str, Any]:
+    """Run the load, write the outputs, return the summary. `stop`: as for `run_load`."""
+    records, wall, model = asyncio.run(run_load(config, prompts, progress=progress, stop=stop))
     summary = summarize(records, wall, config, model)
     if out_dir is not None:
         out = Path(out_dir)

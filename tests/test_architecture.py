@@ -108,6 +108,16 @@ def test_importing_the_cli_loads_neither_torch_nor_ray():
     assert not loaded, f"building the CLI parser pulled in: {loaded[:10]}"
 
 
+def test_the_embedded_redis_replica_loads_no_model_code():
+    """Serve imports a deployment class's module in each replica process: the EmbeddedRedis replica, which only runs
+    redis-server, pays for Ray alone (torch and transformers cost a core-second or more in every such process)."""
+    from deployments.app import RedisServer
+
+    assert RedisServer.__module__ == "deployments.redis_replica"
+    loaded = _loaded_after(f"import {RedisServer.__module__}", {"torch", "transformers"})
+    assert not loaded, f"the replica's module pulled in: {loaded[:10]}"
+
+
 def test_the_checkers_catch_violations(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text(

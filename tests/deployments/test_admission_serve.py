@@ -1,7 +1,7 @@
 """Admission end to end on CPU: real Ray Serve, real Redis (embedded), real HTTP clients (openai, httpx), a target
-replica with 2 KV-cache slots and a queue of 3. More concurrent requests than slots all complete with the target's
-greedy tokens and no replay; a request beyond the queue gets 429 with Retry-After; requests whose clients leave
-give their slots and places back."""
+replica with 2 KV-cache slots and a queue of 3 (the app of tests/support/small_app.py, shared with the one-step
+test). More concurrent requests than slots all complete with the target's greedy tokens and no replay; a request
+beyond the queue gets 429 with Retry-After; requests whose clients leave give their slots and places back."""
 
 from __future__ import annotations
 
@@ -11,32 +11,15 @@ import threading
 import httpx
 import pytest
 
-from tests.support.serve import run_app, sse_events, tiny_engine, wait_for
+from tests.support.serve import sse_events, tiny_engine, wait_for
+from tests.support.small_app import APP, MODEL, QUEUE, RETRY_AFTER_S, SLOTS, K, small_app
 
 pytestmark = pytest.mark.slow
-
-APP = "admission"
-MODEL = "tiny-admission"
-SLOTS, QUEUE = 2, 3
 
 
 @pytest.fixture(scope="module")
 def server(tiny_models):
-    from ray import serve
-
-    from deployments.app import build_app
-
-    config = {
-        "served_model_name": MODEL,
-        "target": {"model": str(tiny_models["llama"]), "max_seq_len": 512, "max_batch_size": SLOTS,
-                   "max_waiting": QUEUE},
-        "drafter": {"draft": "prompt-lookup"},
-        "coordinator": {"retry_after_s": 3},
-        "speculation": {"num_draft_tokens": 3},
-    }
-    url = run_app(build_app(config), APP)
-    yield url
-    serve.delete(APP)
+    return small_app(tiny_models)
 
 
 def _target_stats():
@@ -72,11 +55,11 @@ def test_a_request_beyond_the_queue_gets_429_and_leaving_clients_free_their_slot
 
         r = httpx.post(f"{server}/v1/completions", json=body, timeout=60)
         assert r.status_code == 429
-        assert r.headers["retry-after"] == "3"
+        assert r.headers["retry-after"] == str(RETRY_AFTER_S)
         err = r.json()["error"]
         assert err["code"] == "queue_full" and err["type"] == "rate_limit_error" and "retry" in err["message"]
         r = httpx.post(f"{server}/v1/completions", json={**body, "stream": False}, timeout=60)
-        assert r.status_code == 429 and r.headers["retry-after"] == "3"
+        assert r.status_code == 429 and r.headers["retry-after"] == str(RETRY_AFTER_S)
     finally:
         stop.set()
         for t in threads:
@@ -100,7 +83,7 @@ def test_more_requests_than_slots_all_complete_without_a_replay(server, tiny_mod
     n = SLOTS + QUEUE  # every slot held and the queue full, never over it
     prompts = [[3 + i, 9 + 2 * i, 17 + i, 30 + 4 * i] for i in range(n)]
     want = [r.token_ids for r in tiny_engine(tiny_models, max_batch_size=n, max_seq_len=512).generate_batch(
-        prompts, [SamplingParams(max_tokens=40, ignore_eos=True)] * n, SpecParams(3))]
+        prompts, [SamplingParams(max_tokens=40, ignore_eos=True)] * n, SpecParams(K))]
 
     async def one(aclient, prompt):
         ids, spec = [], None

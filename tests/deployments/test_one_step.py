@@ -14,34 +14,19 @@ import asyncio
 import httpx
 import pytest
 
-from tests.support.serve import run_app, sse_events, tiny_engine
+from tests.support.serve import sse_events, tiny_engine
+from tests.support.small_app import MODEL, K, delete_small_app, small_app
 
-APP = "onestep"
-MODEL = "tiny-llama"
-MAX_SEQ_LEN = 256
-K = 3
-
-
+MAX_SEQ_LEN = 256  # the worker classes driven by hand and the engine
 SAMPLING = [{"temperature": 0.0}, {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "seed": 7}]
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2, 40, 50, 60]  # repeats (prompt lookup drafts) and fresh (the model drafts)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_models):
-    from ray import serve
-
-    from deployments.app import build_app
-
-    config = {
-        "served_model_name": MODEL,
-        "target": {"model": str(tiny_models["llama"]), "max_seq_len": MAX_SEQ_LEN, "max_batch_size": 4},
-        "drafter": {"draft": "lookup+" + str(tiny_models["draft"])},
-        "coordinator": {"adaptive_k": False},
-        "speculation": {"num_draft_tokens": K},
-    }
-    url = run_app(build_app(config), APP)
-    yield url
-    serve.delete(APP)
+    """The app of tests/support/small_app.py (the admission tests' too); this module is its last user."""
+    yield small_app(tiny_models)
+    delete_small_app()
 
 
 @pytest.fixture(scope="module")

@@ -261,7 +261,8 @@ def test_load_scales_up_metrics_agree_then_scales_down(deployed):
     # Stop the load as soon as everything has scaled up (or the duration bound ends it).
     holder: dict = {}
     runner = threading.Thread(target=lambda: holder.update(
-        summary=loadgen.run(config, [[1, 2, 3, 4, 5, 6, 7, 8]], d.c.tmp / "load", progress=False)), daemon=True)
+        summary=loadgen.run(config, [[1, 2, 3, 4, 5, 6, 7, 8]], d.c.tmp / "load", progress=False, stop=stop)),
+        daemon=True)
     runner.start()
     stop.wait(90)
     deadline = t + config.duration_s + config.timeout_s  # its duration, then its last requests (each bounded)

@@ -151,6 +151,15 @@ def test_duration_bounds_the_run(server):
     assert 2 <= summary["requests"]["sent"] < 100
 
 
+def test_a_stop_event_ends_the_run_and_lets_requests_in_flight_finish(server):
+    stop = threading.Event()
+    config = loadgen.LoadConfig(url=server.url, concurrency=2, num_requests=10_000, duration_s=60)
+    threading.Timer(0.5, stop.set).start()
+    summary = loadgen.run(config, ["p"], None, progress=False, stop=stop)
+    assert 2 <= summary["requests"]["sent"] < 200  # 60 s would send over a thousand
+    assert all(err.startswith("HTTP 500") for err in summary["requests"]["errors"])  # the fake's; none cut off
+
+
 def test_unreachable_server_is_an_error_not_a_hang():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -50,9 +50,10 @@ def stop_serve() -> None:
     import ray
     from ray import serve
 
-    from tests.support import edge_app
+    from tests.support import edge_app, small_app
 
     edge_app.forget()
+    small_app.forget()
     if _PORT is None and not ray.is_initialized():
         return
     _PORT = None
