@@ -130,6 +130,9 @@ def dashboard_metric_names() -> set[str]:
 
 # Counters of events a healthy load does not cause (a 429, an out-of-memory preemption): no sample until one happens.
 EVENT_ONLY_METRICS = frozenset({"ray_specserve_admission_rejections_total", "ray_specserve_preemptions_total"})
+# Counters of pre-speculation, which only a drafter on drafter replicas does (not prompt lookup, not a feature head in
+# the target worker: the demo target's default)
+PRESPEC_METRICS = frozenset({"ray_specserve_prespec_hits_total", "ray_specserve_prespec_steps_total"})
 
 
 def missing_tools() -> list[str]:
