@@ -396,16 +396,12 @@ class Coordinator:
                     except Exception as err:  # noqa: BLE001
                         if not is_actor_lost(err):
                             raise
-                        self.targets.mark_dead(run.target)
-                        run.target, run.target_handle, run.target_warm = None, None, False
-                        run.counters["target_failovers"] += 1
+                        self._target_lost(run)
                         return
                     if verdict == STALE:
                         raise _taken_over()
                     if verdict == PREEMPTED:  # queued again by the one-call step, which then replays
-                        run.counters["preemptions"] += 1
-                        self.targets.release(run.target)
-                        run.target_handle = None
+                        self._target_preempted(run)
                     if not isinstance(verdict, Verdict):  # CACHE_MISS: the one-call step resends the prefix
                         run.target_warm = False
                         return
@@ -575,9 +571,7 @@ class Coordinator:
             except Exception as err:  # noqa: BLE001
                 if not is_actor_lost(err):
                     raise
-                self.targets.mark_dead(run.target)
-                run.target, run.target_handle, run.target_warm = None, None, False
-                run.counters["target_failovers"] += 1
+                self._target_lost(run)
                 call.prefix = state.context[:-1]
                 continue
             if verdict == STALE:
@@ -587,14 +581,24 @@ class Coordinator:
                 call.prefix = state.context[:-1]
                 continue
             if verdict == PREEMPTED:  # its slot was taken back under memory pressure: queue again, then replay
-                run.counters["preemptions"] += 1
-                self.targets.release(run.target)
-                run.target_handle, run.target_warm = None, False
+                self._target_preempted(run)
                 call.prefix = state.context[:-1]
                 continue
             run.target_warm = True
             return verdict
         raise APIError("the target replicas kept failing", 503, type="server_error", code="target_unavailable")
+
+    def _target_lost(self, run: _Run) -> None:
+        """The request's target worker died: the next call goes to another, which rebuilds the cache (prefill)."""
+        self.targets.mark_dead(run.target)
+        run.target, run.target_handle, run.target_warm = None, None, False
+        run.counters["target_failovers"] += 1
+
+    def _target_preempted(self, run: _Run) -> None:
+        """The request's slot was taken back under memory pressure: it queues for one again, then replays."""
+        run.counters["preemptions"] += 1
+        self.targets.release(run.target)
+        run.target_handle, run.target_warm = None, False
 
     async def _admit(self, run: _Run, rid: str, bounded: bool) -> None:
         """Hold a KV-cache slot on a target worker (-> run.target, run.target_handle): the preferred or least loaded
