@@ -299,6 +299,25 @@ def test_request_survives_its_drafter_replica_being_killed_mid_stream(server, re
     assert killed["replica"] not in request_fields(redis_client, killed["rid"])["drafter_worker"]
 
 
+def test_multi_step_request_survives_its_target_replica_being_killed_mid_stream(server, redis_client, engine):
+    """A target-only request runs multi-step calls (its worker feeds itself several passes a call); its target replica
+    is killed mid-stream: the stream breaks, the coordinator waits for the restarted replica, re-prefills there and
+    ends with exactly the tokens of an undisturbed run (seeded sampling)."""
+    killed = {}
+
+    def on_event(n, eid):
+        if n == 2:
+            killed["rid"], killed["replica"] = _kill_owner(redis_client, eid, "Target", "target_worker")
+
+    body = dict(LEFT, speculation={"num_draft_tokens": 0})  # long: the kill lands before a target-only run ends
+    ids, eids, final = stream_ids(server, body, on_event)
+    assert killed, "the stream ended before the kill"
+    assert ids == reference(engine, [5, 4, 3, 2, 1], temperature=0.8, seed=77, max_tokens=500, k=0)
+    assert [int(e.rsplit(":", 1)[1]) for e in eids] == list(range(len(eids)))  # no step lost or repeated
+    spec = final["speculation"]
+    assert spec["target_failovers"] >= 1 and spec["multi_step_calls"] >= 2, spec
+
+
 def test_client_disconnect_cancels_and_last_event_id_resumes_without_regenerating(
         server, redis_client, left_reference):
     seen = {}
