@@ -325,3 +325,35 @@ def test_served_head_on_a_drafter_gives_the_targets_greedy_output_and_replays(he
     first, spec = complete(url, model, {"max_tokens": 40, **SEEDED})
     again, _ = complete(url, model, {"max_tokens": 40, **SEEDED})
     assert first == again and spec["drafted"] > 0
+
+
+@pytest.mark.slow
+def test_served_head_on_a_drafter_survives_its_drafter_replica_being_killed(heads, head_on_drafter):
+    """The drafter replica holding the request's head dies mid-stream: the request goes on (steps without drafts while
+    no drafter lives, then a head that reads the states again, which a re-prefill of the target resends) and its greedy
+    output is the engine's."""
+    import ray
+    import redis
+
+    from tests.support.serve import redis_url, replica_actor, wait_for
+
+    url, model = head_on_drafter
+    want = engine_steps(heads, heads["eagle3"], GREEDY, max_tokens=240)[1].token_ids
+    store = redis.Redis.from_url(redis_url("heads-drafter"), decode_responses=True)
+    body = {"model": model, "prompt": PROMPT, "stream": True, "ignore_eos": True, "max_tokens": 240, **GREEDY}
+    ids, killed, final = [], {}, {}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        for n, (eid, data) in enumerate(sse_events(r.iter_lines())):
+            if data == "[DONE]":
+                break
+            if data["choices"]:
+                ids += data["choices"][0]["token_ids"]
+            final = data.get("speculation") or final
+            if n == 2:
+                key = f"specserve:req:{{{eid.rsplit(':', 1)[0]}}}"
+                worker = wait_for(lambda: store.hget(key, "drafter_worker"))
+                killed["replica"] = worker.split(":")[2]
+                ray.kill(replica_actor("heads-drafter", "Drafter", killed["replica"]), no_restart=True)
+    assert killed, "the stream ended before the kill"
+    assert ids == want
+    assert final["drafter_failovers"] >= 1, final
