@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
 import pytest
 
-from tests.support.serve import sse_events, tiny_engine
+from tests.support.serve import stream_steps, tiny_engine
 from tests.support.small_app import MODEL, K, delete_small_app, small_app
 
 MAX_SEQ_LEN = 256  # the worker classes driven by hand and the engine
@@ -36,18 +35,7 @@ def engine(tiny_models):
 
 def serve_events(server: str, body: dict) -> tuple[list[list[int]], dict]:
     """Token ids of each step event, and the final usage chunk."""
-    steps, final = [], None
-    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        for _, data in sse_events(r.iter_lines()):
-            if data == "[DONE]":
-                break
-            assert "error" not in data, data
-            if data["choices"]:
-                steps.append(data["choices"][0]["token_ids"])
-            else:
-                final = data
-    return steps, final
+    return stream_steps(server, body)
 
 
 def engine_steps(engine, sampling: dict):

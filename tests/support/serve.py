@@ -105,12 +105,12 @@ def sse_events(lines: Iterator[str]) -> Iterator[tuple[Optional[str], Any]]:
         yield eid, payload if payload == "[DONE]" else json.loads(payload)
 
 
-def stream_completion(url: str, body: dict, headers: Optional[dict] = None) -> tuple[list[int], dict]:
+def stream_steps(url: str, body: dict, headers: Optional[dict] = None) -> tuple[list[list[int]], dict]:
     """POST a streamed /v1/completions (or a resume with `Last-Event-ID` in `headers`) and read it to [DONE] ->
-    (the token ids of every event, the final usage chunk). Any error event or non-200 status fails the test."""
+    (the token ids of each event, the final usage chunk). Any error event or non-200 status fails the test."""
     import httpx
 
-    ids: list[int] = []
+    steps: list[list[int]] = []
     final: dict = {}
     with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=120) as r:
         assert r.status_code == 200, r.read()
@@ -119,10 +119,16 @@ def stream_completion(url: str, body: dict, headers: Optional[dict] = None) -> t
                 break
             assert "error" not in data, data
             if data["choices"]:
-                ids += data["choices"][0]["token_ids"]
+                steps.append(data["choices"][0]["token_ids"])
             else:
                 final = data
-    return ids, final
+    return steps, final
+
+
+def stream_completion(url: str, body: dict, headers: Optional[dict] = None) -> tuple[list[int], dict]:
+    """`stream_steps` -> (the token ids of every event, in one list; the final usage chunk)."""
+    steps, final = stream_steps(url, body, headers)
+    return [t for step in steps for t in step], final
 
 
 def wait_for(predicate, timeout_s: float = 20.0, interval_s: float = 0.1) -> Any:
