@@ -50,9 +50,6 @@ DRAFTER = "Drafter"
 TARGET = "Target"
 EMBEDDED_REDIS = "EmbeddedRedis"
 PRESPEC_BRANCHES = 4  # coordinator.prespec_branches' default (docs/configuration.md says how it was chosen)
-# How often a stopping replica checks whether its requests are done (Serve's default 2 s): an idle replica waits this
-# long before it exits, so every app deletion, scale-down and stop would take 2 s more.
-SHUTDOWN_POLL_S = 0.5
 
 
 class _Strict(BaseModel):
@@ -394,7 +391,6 @@ def _model_deployment_options(
         "health_check_period_s": 2.0,
         "health_check_timeout_s": 30.0,
         "graceful_shutdown_timeout_s": 5.0,
-        "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S,
     }
     bundles = worker_bundles(resources, tensor_parallel_size)
     if bundles:
@@ -432,7 +428,6 @@ def deployment_options(config: AppConfig) -> dict[str, dict[str, Any]]:
         "ray_actor_options": {"num_cpus": config.coordinator.num_cpus},
         "health_check_period_s": 2.0,
         "graceful_shutdown_timeout_s": 5.0,
-        "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S,
     }
     out[INGRESS] = {
         "name": INGRESS,
@@ -440,14 +435,12 @@ def deployment_options(config: AppConfig) -> dict[str, dict[str, Any]]:
         "max_ongoing_requests": config.ingress.max_ongoing_requests,
         "ray_actor_options": {"num_cpus": config.ingress.num_cpus},
         "graceful_shutdown_timeout_s": 5.0,
-        "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S,
     }
     if config.redis_url is None:
         out[EMBEDDED_REDIS] = {
             "name": EMBEDDED_REDIS,
             "num_replicas": 1,
             "ray_actor_options": {"num_cpus": 0},
-            "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S,
             # as the model replicas: a redis-server that died is noticed (3 failed checks) and its replica replaced
             # within seconds, not Serve's default 30
             "health_check_period_s": 2.0,

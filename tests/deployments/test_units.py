@@ -26,8 +26,6 @@ def test_cpu_defaults_need_no_placement_group_and_claim_no_cpu():
         assert o["name"] == name
         assert o["ray_actor_options"]["num_cpus"] == 0, name  # 2-core machines: nothing claims a CPU
         assert "placement_group_bundles" not in o, name
-        # an idle replica stops within half a second (Serve's default wait loop is 2 s, before every app deletion)
-        assert o["graceful_shutdown_wait_loop_s"] == cfg.SHUTDOWN_POLL_S <= 0.5, name
     # a dead embedded redis-server is replaced after 3 failed checks: seconds, as a model replica
     assert opts[cfg.EMBEDDED_REDIS]["health_check_period_s"] == opts[cfg.TARGET]["health_check_period_s"] == 2.0
 
