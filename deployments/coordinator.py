@@ -685,13 +685,14 @@ class Coordinator:
                 pass
 
     async def _abandon(self, run: _Run, state: RequestState) -> None:
-        self._drop_predraft(run)
+        # The slots go back first: the writes below wait on Redis, which may be slow or being replaced, and a request
+        # resumed later re-prefills wherever it lands.
+        self._release(run, state.request_id)
         try:
             await self._flush(run)
             await self.store.set_fields(state.request_id, self.owner, status="cancelled")
         except Exception:  # noqa: BLE001 - taken over, or Redis gone: nothing to mark
             pass
-        self._release(run, state.request_id)
 
     def _release(self, run: _Run, rid: str) -> None:
         """Give the request's slots (or places in their queues) back; once: the handles are dropped."""
