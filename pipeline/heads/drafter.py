@@ -302,7 +302,6 @@ class _StaticChain:
         self.out = None
 
     def run(self, states: list[_Row], sampling: SamplingTensors, u: torch.Tensor):
-        width = self.tok.shape[1]
         h = self.host
         h.zero_()
         for b, s in enumerate(states):
@@ -321,7 +320,6 @@ class _StaticChain:
                          (st.top_p, sampling.top_p), (st.seeds, sampling.seeds)):
             dst.copy_(src)
         self.u.copy_(u[:, :self.depth])
-        assert width == self.tok.shape[1]
         if self.out is None:
             self.out = self._capture()
         elif self.graph is not None:
