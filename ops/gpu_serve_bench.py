@@ -15,7 +15,8 @@ requests are greedy with `ignore_eos`:
    timed on the same models: target decode (T=1), verify (T=K+1), one draft step, at each batch size.
 2. Through HTTP (`specserve serve`'s app, Ray Serve, embedded Redis), with the `openai` client: per placement
    (`separate`: target replica on one GPU and drafter replica on another, `resources.num_gpus: 1` each;
-   `colocated`: both on one GPU, 0.5 each) the same prompts speculative (K) and target-only (K=0 per request,
+   `colocated`: both on one GPU, 0.5 each; `tp2`, on 4 GPUs: the target at tensor parallel 2 on two, one drafter
+   replica on each of the other two) the same prompts speculative (K) and target-only (K=0 per request,
    the same HTTP path), at each stream count. Greedy outputs must equal the recording token for token; two
    seeded sampled requests must replay identically. The per-step timeline comes from the workers' own compute
    time per pass (target: verify+accept; drafter: propose) against the step the client sees. At 1 stream each
@@ -527,8 +528,9 @@ def serve_part(args, folder: Path, rec_path: Path, prompts: list[list[int]], str
 
     gpus = torch.cuda.device_count()
     share = (0.5 if placement == "colocated" else 1.0) if gpus else 0.0
-    if placement == "separate" and gpus < 2 and args.device != "cpu":
-        return {"skipped": f"{gpus} GPU(s)"}
+    need = {"separate": 2, "tp2": 4}.get(placement, 1)
+    if gpus < need and args.device != "cpu":
+        return {"skipped": f"{gpus} GPU(s), {placement} needs {need}"}
     port = 8000
     # colocated: Ray is given one GPU, so both replicas (0.5 each) share it; separate: every GPU.
     ray.init(address="local", num_gpus=min(gpus, 1) if placement == "colocated" else gpus,
@@ -550,12 +552,14 @@ def _serve_part(args, folder, rec_path, prompts, streams, placement, outputs, sh
     from deployments.app import build_app
 
     max_seq = args.prompt_len + args.max_tokens + 8
+    tp = 2 if placement == "tp2" else 1  # tp2: the target on two GPUs, a drafter replica on each of two more
     cfg = {
         "target": {"model": str(folder), "device": args.device, "dtype": args.dtype, "max_batch_size": max(streams),
-                   "max_seq_len": max_seq, "resources": {"num_gpus": share, "num_cpus": 1}},
+                   "max_seq_len": max_seq, "tensor_parallel_size": tp,
+                   "resources": {"num_gpus": share, "num_cpus": 1}},
         "drafter": {"draft": f"synthetic:{args.alpha}:{args.draft_shape}:{rec_path}", "device": args.device,
                     "dtype": args.dtype, "max_batch_size": max(streams),
-                    "resources": {"num_gpus": share, "num_cpus": 1}},
+                    "resources": {"num_gpus": share, "num_cpus": 1, "num_replicas": tp}},
         "speculation": {"num_draft_tokens": args.k},
         "coordinator": {"adaptive_k": False, "overlap": not args.no_overlap},
     }
@@ -581,8 +585,8 @@ def _serve_part(args, folder, rec_path, prompts, streams, placement, outputs, sh
     where = worker_placement()
     for w in where:
         log(f"worker [{placement}]: {w}")
-    uuids = {w["role"]: w.get("uuid") for w in where}
-    apart = uuids.get("target") is not None and uuids.get("drafter") is not None and uuids["target"] != uuids["drafter"]
+    uuids = {role: {w.get("uuid") for w in where if w["role"] == role} - {None} for role in ("target", "drafter")}
+    apart = bool(uuids["target"] and uuids["drafter"]) and not uuids["target"] & uuids["drafter"]
     log(f"serve [{placement}]: target and drafter workers on different GPUs: {apart}")
     url = f"http://127.0.0.1:{port}/v1"
     import httpx
