@@ -356,8 +356,9 @@ def worker_placement() -> list[dict]:
         import torch as _torch
 
         d: dict[str, Any] = {"pid": _os.getpid(), "CUDA_VISIBLE_DEVICES": _os.environ.get("CUDA_VISIBLE_DEVICES")}
-        if _torch.cuda.is_available():
-            i = _torch.cuda.current_device()
+        if _torch.cuda.is_available():  # the device holding the worker's tensors (a tensor-parallel rank sees every
+            # GPU and picks its own; current_device() is per thread, and Ray calls this on another thread)
+            i = max(range(_torch.cuda.device_count()), key=_torch.cuda.memory_allocated)
             props = _torch.cuda.get_device_properties(i)
             d.update(current_device=i, name=props.name, uuid=str(getattr(props, "uuid", "")),
                      allocated_gib=round(_torch.cuda.memory_allocated(i) / 2**30, 2))
