@@ -13,6 +13,8 @@ A greedy row's children are the draft's c most likely tokens; a sampled row's ar
 the warped draft distribution (Sequoia), each shipping the distribution it was drawn from given its earlier
 siblings (the draft renormalised over the tokens not yet drawn), which is what the multi-draft rejection sampler
 needs to stay exact. A sibling that finds nothing left to draw ships an empty distribution and is never accepted.
+`draw_children` draws a level's tokens so for every tree drafter: `TreeDrafter` and the feature heads
+(`pipeline.heads.drafter`: `HeadDrafter.draft_trees`).
 """
 
 from __future__ import annotations

@@ -17,6 +17,10 @@ DRAFT random stream), so verification stays exact at any temperature.
 
 The drafting itself (`medusa_draft`, `eagle3_chain`) is shared with `pipeline.device_loop`, which steps a batch with
 a head as device work: `pending_pairs` hands it the pairs each row has not read.
+
+With `draft_trees` a head drafts token trees of a static shape (`pipeline.tree`) instead of chains, on the step path:
+`eagle3_tree` (level by level, under a tree mask in the head's cache) and `medusa_tree` (depth d from head d, in one
+pass). The engine then observes the states of the accepted path, as after a chain.
 """
 
 from __future__ import annotations

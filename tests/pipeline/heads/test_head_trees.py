@@ -189,8 +189,9 @@ def test_a_hybrid_head_is_refused_with_a_tree(setup):
 
 def _first_tokens(setup, name: str, n: int, sharpen: float, broken: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """n seeded single-pass requests (T=0.7) from one context, each drafting a 3x2 tree with the head's logits
-    multiplied by `sharpen`, verified against the target: the first emitted token (an accepted child of the pending token or the recovered one) depends only on
-    the target at the pending token and the pending token's children. broken: every child claims the head's
+    multiplied by `sharpen`, verified against the target: the first emitted token (an accepted child of the pending
+    token or the recovered one) depends only on the target at the pending token and the pending token's children.
+    broken: every child claims the head's
     distribution, not renormalised over the tokens its earlier siblings took (sampling with replacement's claim)."""
     model, drafter = _observed(setup, name, slots=n)
     with torch.no_grad():  # a peaked head: its first child takes much of the mass, which its siblings' claims lose
