@@ -12,7 +12,7 @@ import torch
 from pipeline.config import EngineConfig, SamplingParams, SpecParams, TreeConfig
 from pipeline.drafters import ProposeRow, build_drafter
 from pipeline.engine import SpeculativeEngine
-from pipeline.heads.drafter import HeadDrafter, eagle3_tree
+from pipeline.heads.drafter import HeadDrafter, eagle3_tree, medusa_tree
 from pipeline.models.loader import load_model
 from pipeline.rejection import accept, verify
 from pipeline.sampling import SamplingTensors, warp
@@ -107,6 +107,21 @@ def test_eagle3_tree_levels_equal_a_chain_along_each_path(setup):
     torch.testing.assert_close(after_tree, after_chain, rtol=1e-5, atol=1e-5)
 
 
+def test_medusa_greedy_tree_is_the_product_of_each_heads_top_tokens(setup):
+    """Greedy: the node at depth d of rank r is head d's r-th token under every parent, a point mass."""
+    _, _, drafter = _drafter(setup, "medusa")
+    shape = tree_shape(TreeConfig((3, 2, 2)))
+    features = torch.randn(2, 32, generator=torch.Generator().manual_seed(0))
+    sampling = SamplingTensors.from_params([SamplingParams(seed=0)] * 2)
+    u = torch.rand(2, shape.num_nodes, dtype=torch.float64)
+    tokens, _, probs = medusa_tree(drafter.head, features, shape, shape.depth, sampling, u, 8)
+    logits = drafter.head(features)  # [2, K, V]
+    for n in range(shape.num_nodes):
+        want = logits[:, shape.depths[n]].topk(3).indices[:, shape.ranks[n]]
+        assert tokens[:, n].tolist() == want.tolist()
+    assert probs[:, :, 0].eq(1).all()
+
+
 # ---- the target side ---------------------------------------------------------------------------------------------
 
 
@@ -167,6 +182,18 @@ def test_greedy_head_trees_equal_the_targets_output(setup, name, tree):
     assert engine.generate(PROMPTS[1], params, SpecParams(4)).token_ids == want[1]  # alone, in a reused slot
 
 
+def test_head_trees_stay_off_the_device_loop(setup):
+    """`EngineConfig.device_loop=True` runs a head's chains on the loop (CPU too); a tree keeps the step path."""
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    want = [r.token_ids for r in _engine(setup, None).generate_batch(PROMPTS[:2], params)]
+    model, tok = load_model(str(setup["target"]))
+    drafter = build_drafter(f"eagle3:{setup['eagle3']}", model.info, tok, target=model)
+    cfg = EngineConfig(max_batch_size=4, max_seq_len=256, tree=TreeConfig((2, 2)), device_loop=True)
+    engine = SpeculativeEngine(model, tok, drafter, cfg)
+    assert [r.token_ids for r in engine.generate_batch(PROMPTS[:2], params, SpecParams(2))] == want
+    assert not engine._loops and max(engine.timings.steps_by_k) == 6
+
+
 @pytest.mark.parametrize("name", ["eagle3", "medusa"])
 def test_sampled_head_trees_replay_and_do_not_depend_on_the_batch(setup, name):
     engine = _engine(setup, name, TreeConfig((3, 2, 1)))
@@ -182,6 +209,23 @@ def test_a_hybrid_head_is_refused_with_a_tree(setup):
     drafter = build_drafter(f"lookup+eagle3:{setup['eagle3']}", model.info, tok, target=model)
     with pytest.raises(ValueError, match="drafts with the head alone"):
         SpeculativeEngine(model, tok, drafter, EngineConfig(max_seq_len=128, tree=TreeConfig()))
+
+
+def test_a_head_on_a_target_without_tree_attention_keeps_chains(setup, caplog):
+    class NoTree:  # a runner of the interface without `supports_tree` (as the CUDA graph path)
+        def __init__(self, inner):
+            self.inner, self.info = inner, inner.info
+
+        def __getattr__(self, name):
+            if name in ("supports_tree", "compact"):
+                raise AttributeError(name)
+            return getattr(self.inner, name)
+
+    model, tok = load_model(str(setup["target"]))
+    drafter = build_drafter(f"eagle3:{setup['eagle3']}", model.info, tok, target=model)
+    with caplog.at_level("WARNING"):
+        engine = SpeculativeEngine(NoTree(model), tok, drafter, EngineConfig(max_seq_len=128, tree=TreeConfig()))
+    assert engine.drafter is drafter and drafter.tree is None and "drafting chains instead" in caplog.text
 
 
 # ---- sampled trees: the first emitted token -----------------------------------------------------------------------
