@@ -125,7 +125,7 @@ class SpeculativeEngine:
             bind(target)
         if self.config.tree is not None:
             drafter = _tree_drafter(drafter, target, self.config.tree)
-            if isinstance(drafter, TreeDrafter):
+            if _drafts_trees(drafter):
                 k_policy = None  # a static shape: K caps the tree's depth, no per-step choice
         self.target, self.tokenizer, self.drafter = target, tokenizer, drafter
         self.k_policy = k_policy
@@ -294,7 +294,7 @@ class SpeculativeEngine:
         drafter = self.drafter
         head = _head_drafter(drafter) is drafter and drafter is not None  # a head alone (not behind prompt lookup)
         plain = drafter is None or head or type(drafter) in (ModelDrafter, SyntheticDrafter)
-        if not plain:
+        if not plain or _drafts_trees(drafter):  # the loop drafts and verifies chains
             return False
         enabled = self.config.device_loop
         if enabled is None:  # a head runs on the target's device in plain torch ops, which capture with it
@@ -487,18 +487,35 @@ def _head_drafter(drafter: Drafter | None):  # -> pipeline.heads.drafter.HeadDra
 
 
 def _tree_drafter(drafter: Drafter | None, target: CausalLM, tree: TreeConfig) -> Drafter | None:
-    """`drafter` drafting trees of `tree`'s shape: a `TreeDrafter` over a draft model. A target or draft model on a
-    path without tree attention (the CUDA graph path, the generic runner, tensor parallelism) keeps chains, logged;
-    a drafter without a draft model of the target's vocabulary is refused."""
+    """`drafter` drafting trees of `tree`'s shape: a `TreeDrafter` over a draft model, or a feature head set to draft
+    trees (`HeadDrafter.draft_trees`). A target or draft model on a path without tree attention (the CUDA graph
+    path, the generic runner, tensor parallelism) keeps chains, logged; any other drafter is refused."""
+    from pipeline.heads.drafter import HeadDrafter
+
+    if isinstance(drafter, HybridDrafter) and _head_drafter(drafter) is not None:
+        raise ValueError(f"a token tree drafts with the head alone: use {drafter.model.name!r} without "
+                         f"{HYBRID_PREFIX!r}")
+    if isinstance(drafter, HeadDrafter):
+        if not supports_tree(target):
+            log.warning("token trees: the target runs on %s, which has no tree attention; drafting chains instead",
+                        type(target).__name__)
+        else:
+            drafter.draft_trees(tree)
+        return drafter
     if not isinstance(drafter, ModelDrafter):
-        raise ValueError(f"a token tree needs a draft model of the target's vocabulary; drafter "
-                         f"{getattr(drafter, 'name', None)!r} has none")
+        raise ValueError(f"a token tree needs a draft model of the target's vocabulary or a feature head; drafter "
+                         f"{getattr(drafter, 'name', None)!r} is neither")
     for role, model in (("target", target), ("draft model", drafter.model)):
         if not supports_tree(model):
             log.warning("token trees: the %s runs on %s, which has no tree attention; drafting chains instead",
                         role, type(model).__name__)
             return drafter
     return TreeDrafter(drafter, tree)
+
+
+def _drafts_trees(drafter: Drafter | None) -> bool:
+    """Whether `drafter` drafts token trees (a `TreeDrafter`, or a feature head set to)."""
+    return isinstance(drafter, TreeDrafter) or getattr(_head_drafter(drafter), "tree", None) is not None
 
 
 def _model_drafter(drafter: Drafter | None) -> ModelDrafter | None:

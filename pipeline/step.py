@@ -191,23 +191,27 @@ def verify_and_accept(
 
     A tree draft (`draft.parents`) is fed with its tree mask (the target must have `supports_tree`), and the
     target's cache then keeps only the accepted path: its entries move to the positions after the pending token.
-    A tree row's `Verdict.num_draft` is its tree's depth (the most tokens it could have accepted)."""
+    A tree row's `Verdict.num_draft` is its tree's depth (the most tokens it could have accepted), and its
+    `Verdict.features` are the states at the pending token and along the accepted path, in path order."""
     tokens = torch.cat([pending[:, None], draft.token_ids.to(pending.device)], dim=1)  # [B, K+1]
     # Positions and slots stay on the host: runners read them without a device sync, the graph path sends them with
     # the tokens in one copy, and a tensor-parallel leader broadcasts them from the host anyway.
     features = None
+    tree = {}  # runners without tree attention take no `tree`
     if draft.parents is not None:  # fed position 0 is the pending token, node i is fed position i + 1
-        fed_parents = torch.cat([torch.full_like(draft.parents[:, :1], -1), draft.parents + 1], dim=1)
-        logits = target.forward(tokens, positions, slots, tree=TreeMask(fed_parents))  # [B, K+1, V]
-    elif feature_layers:  # a feature head drafts chains (a tree comes from a draft model)
-        logits, features = target.forward_features(tokens, positions, slots, feature_layers)  # + [B, K+1, F]
+        tree["tree"] = TreeMask(torch.cat([torch.full_like(draft.parents[:, :1], -1), draft.parents + 1], dim=1))
+    if feature_layers:  # a feature head reads the target's states
+        logits, features = target.forward_features(tokens, positions, slots, feature_layers, **tree)  # + [B, K+1, F]
     else:
-        logits = target.forward(tokens, positions, slots)  # [B, K+1, V]
+        logits = target.forward(tokens, positions, slots, **tree)  # [B, K+1, V]
     draft = draft.to(logits.device)
     out = accept(verify(logits, draft, sampling, steps), draft, sampling.seeds, steps, sampling.all_greedy)
     if out.path is not None:
         src, dst = compact_indices(positions.to(out.path.device) + 1, out.path)
         target.compact(slots, src, dst)
+        if features is not None:  # the pending token's states, then the accepted path's, as a chain gives them
+            fed = torch.cat([torch.zeros_like(out.path[:, :1]), out.path + 1], dim=1)  # [B, K+1] (past the path: 0)
+            features = features.gather(1, fed[..., None].expand(-1, -1, features.shape[-1]))
     num_accepted = out.num_accepted.tolist()  # the one host sync
     emitted = out.tokens.tolist()
     num_draft = draft.num_draft.tolist() if draft.parents is None else tree_depth(draft).tolist()

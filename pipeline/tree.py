@@ -13,6 +13,8 @@ A greedy row's children are the draft's c most likely tokens; a sampled row's ar
 the warped draft distribution (Sequoia), each shipping the distribution it was drawn from given its earlier
 siblings (the draft renormalised over the tokens not yet drawn), which is what the multi-draft rejection sampler
 needs to stay exact. A sibling that finds nothing left to draw ships an empty distribution and is never accepted.
+`draw_children` draws a level's tokens so for every tree drafter: `TreeDrafter` and the feature heads
+(`pipeline.heads.drafter`: `HeadDrafter.draft_trees`).
 """
 
 from __future__ import annotations
@@ -119,7 +121,8 @@ class TreeDrafter:
         fed = 0
         for level in range(depth):
             lo, hi = shape.nodes_within(level), shape.nodes_within(level + 1)
-            self._children(logits, level_nodes, range(lo, hi), sampling, u, greedy, tokens, top_ids, top_probs)
+            draw_children(shape, logits, level_nodes, range(lo, hi), sampling, u, greedy, tokens, top_ids, top_probs,
+                          d._out_ids)
             if level + 1 < depth:  # the next level needs this one's logits
                 tree = TreeMask(parents[:, :hi], first=lo)
                 logits = d.model.forward(tokens[:, lo:hi], positions + lo, slots, tree=tree)  # [B, hi-lo, V']
@@ -131,45 +134,48 @@ class TreeDrafter:
         num_draft = torch.tensor([shape.nodes_within(c) for c in caps], dtype=torch.int64, device=device)
         return DraftBlock(tokens, num_draft, top_ids, top_probs, parents)
 
-    def _children(
-        self,
-        logits: torch.Tensor,  # [B, P, V'] the draft's logits at the parents
-        parent_nodes: list[int],  # [P] node of each (-1: the pending token)
-        nodes: range,  # this level's nodes (children of parent_nodes, breadth first)
-        sampling: SamplingTensors,
-        u: torch.Tensor,  # [B, N] float64
-        greedy: torch.Tensor,  # [B, 1] bool
-        tokens: torch.Tensor,  # [B, N] out
-        top_ids: torch.Tensor,  # [B, N, k] out
-        top_probs: torch.Tensor,  # [B, N, k] out
-    ) -> None:
-        """Draw each node's token: the greedy rows' c best, the sampled rows' c draws without replacement."""
-        shape, d = self.shape, self.drafter
-        k = top_ids.shape[-1]
-        probs = warp(logits, sampling)  # [B, P, V']
-        kk = min(k, probs.shape[-1])
-        sparse_probs, sparse_idx = probs.topk(kk, dim=-1)  # [B, P, kk]
-        sparse_probs = sparse_probs / sparse_probs.sum(-1, keepdim=True)
-        most = max(shape.ranks[n] for n in nodes) + 1
-        best_idx = logits.topk(min(most, logits.shape[-1]), dim=-1).indices  # [B, P, c] greedy rows' children
-        out_ids = d._out_ids
-        as_token = (lambda i: i) if out_ids is None else (lambda i: out_ids.to(i.device)[i])  # noqa: E731
-        sparse_ids = as_token(sparse_idx)
-        drawn = torch.zeros_like(sparse_probs, dtype=torch.bool)  # [B, P, kk] drawn by an earlier sibling
-        for n in nodes:  # rank order within each parent
-            p = parent_nodes.index(shape.parents[n])
-            choice, q, drawn[:, p] = draw_without_replacement(sparse_probs[:, p], drawn[:, p], u[:, n])
-            sampled_token = sparse_ids[:, p].gather(-1, choice[:, None]).squeeze(-1)
-            rank = min(shape.ranks[n], best_idx.shape[-1] - 1)
-            greedy_token = as_token(best_idx[:, p, rank])
-            token = torch.where(greedy[:, 0], greedy_token, sampled_token)
-            tokens[:, n] = token
-            point = torch.zeros(tokens.shape[0], kk, device=q.device)
-            point[:, 0] = 1.0
-            top_ids[:, n, :kk] = torch.where(greedy, token[:, None].expand(-1, kk), sparse_ids[:, p])
-            top_probs[:, n, :kk] = torch.where(greedy, point, q)
-            if kk < k:
-                top_ids[:, n, kk:] = top_ids[:, n, :1]  # padding: a repeated id at probability 0
+
+def draw_children(
+    shape: TreeShape,
+    logits: torch.Tensor,  # [B, P, V'] the drafter's logits at the parents
+    parent_nodes: list[int],  # [P] node of each (-1: the pending token)
+    nodes: range,  # this level's nodes (children of parent_nodes, breadth first)
+    sampling: SamplingTensors,
+    u: torch.Tensor,  # [B, N] float64 DRAFT uniforms: node n draws with u[:, n]
+    greedy: torch.Tensor,  # [B, 1] bool
+    tokens: torch.Tensor,  # [B, N] out
+    top_ids: torch.Tensor,  # [B, N, k] out
+    top_probs: torch.Tensor,  # [B, N, k] out
+    out_ids: torch.Tensor | None = None,  # [V'] target id of each logit (a reduced draft vocabulary); None: itself
+) -> None:
+    """Draw one level's tokens, each node shipping the distribution it was drawn from: a greedy row's children are
+    its c most likely tokens (point masses); a sampled row's are c draws without replacement from the warped
+    top-k distribution (`draw_without_replacement`), the drafter (`TreeDrafter`, `pipeline.heads.drafter`) of
+    every token tree."""
+    k = top_ids.shape[-1]
+    probs = warp(logits, sampling)  # [B, P, V']
+    kk = min(k, probs.shape[-1])
+    sparse_probs, sparse_idx = probs.topk(kk, dim=-1)  # [B, P, kk]
+    sparse_probs = sparse_probs / sparse_probs.sum(-1, keepdim=True)
+    most = max(shape.ranks[n] for n in nodes) + 1
+    best_idx = logits.topk(min(most, logits.shape[-1]), dim=-1).indices  # [B, P, c] greedy rows' children
+    as_token = (lambda i: i) if out_ids is None else (lambda i: out_ids.to(i.device)[i])  # noqa: E731
+    sparse_ids = as_token(sparse_idx)
+    drawn = torch.zeros_like(sparse_probs, dtype=torch.bool)  # [B, P, kk] drawn by an earlier sibling
+    for n in nodes:  # rank order within each parent
+        p = parent_nodes.index(shape.parents[n])
+        choice, q, drawn[:, p] = draw_without_replacement(sparse_probs[:, p], drawn[:, p], u[:, n])
+        sampled_token = sparse_ids[:, p].gather(-1, choice[:, None]).squeeze(-1)
+        rank = min(shape.ranks[n], best_idx.shape[-1] - 1)
+        greedy_token = as_token(best_idx[:, p, rank])
+        token = torch.where(greedy[:, 0], greedy_token, sampled_token)
+        tokens[:, n] = token
+        point = torch.zeros(tokens.shape[0], kk, device=q.device)
+        point[:, 0] = 1.0
+        top_ids[:, n, :kk] = torch.where(greedy, token[:, None].expand(-1, kk), sparse_ids[:, p])
+        top_probs[:, n, :kk] = torch.where(greedy, point, q)
+        if kk < k:
+            top_ids[:, n, kk:] = top_ids[:, n, :1]  # padding: a repeated id at probability 0
 
 
 def draw_without_replacement(

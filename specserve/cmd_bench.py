@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from specserve.cmd_generate import add_tree_arguments, tree_config, tree_draft
 from specserve.prompts import SPEC_BENCH_DEV, load_prompts
 
 METHODS = "engine-target,engine-spec,hf-generate,hf-assisted"
@@ -37,6 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fixed-k", action="store_true",
                    help="engine-spec drafts K tokens every step (default: K adapts per step between 0 and K "
                         "from measured step costs and acceptance, as in `specserve generate`)")
+    add_tree_arguments(p)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("-o", "--out", default="bench-out", help="folder for bench.json, bench.md, bench.png")
     p.add_argument("--no-progress", action="store_true")
@@ -45,6 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.num_draft_tokens < 1:
         raise ValueError(f"-k must be >= 1, got {args.num_draft_tokens}")
+    tree = tree_config(args)
     # Imported here, not at the top: torch and the models are not needed for `specserve --help`.
     import torch
 
@@ -54,11 +57,11 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = load_prompts(args.prompts, args.per_category)
-    draft = default_draft(args.target) if args.draft == "default" else args.draft
+    draft = tree_draft(tree, default_draft(args.target) if args.draft == "default" else args.draft)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     result = run_bench(args.target, draft, prompts, methods, args.num_draft_tokens, args.max_tokens,
                        device=args.device, progress=not args.no_progress, dtype=args.dtype,
-                       adaptive_k=not args.fixed_k, draft_weights=args.draft_weights)
+                       adaptive_k=not args.fixed_k, draft_weights=args.draft_weights, tree=tree)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(result, indent=1))

@@ -37,18 +37,49 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-weights", default="model", choices=("model", "fp8"),
                    help="fp8: the draft model's CUDA graph path streams float8 copies of its weights (half the bytes; "
                         "acceptance may move, the output cannot). Needs --device cuda and a bf16/fp16 draft model")
-    p.add_argument("--tree", default=None, metavar="B1,B2,...",
-                   help="draft a token tree instead of a chain: children per node at each depth (e.g. 3,2,1); needs "
-                        "a draft model (a 'lookup+MODEL' drafter drafts with its MODEL); -k caps the depth")
-    p.add_argument("--tree-nodes", type=int, default=None, help="node budget of --tree (default: the full tree)")
+    add_tree_arguments(p)
     p.add_argument("--fixed-k", action="store_true",
                    help="draft K tokens every step (default: greedy requests adapt K per step between 0 and K "
                         "from measured step costs and acceptance; sampled requests always use K)")
 
 
+def add_tree_arguments(p: argparse.ArgumentParser) -> None:
+    """--tree and --tree-nodes (`specserve generate` and `specserve bench`)."""
+    p.add_argument("--tree", default=None, metavar="B1,B2,...",
+                   help="draft a token tree instead of a chain: children per node at each depth (e.g. 3,2,1); needs "
+                        "a draft model or a feature head ('eagle3:DIR', 'medusa:DIR'; a 'lookup+WORD' drafter drafts "
+                        "with its WORD); -k caps the depth")
+    p.add_argument("--tree-nodes", type=int, default=None, help="node budget of --tree (default: the full tree)")
+
+
+def tree_config(args: argparse.Namespace):  # -> pipeline.config.TreeConfig | None
+    """The `TreeConfig` of --tree and --tree-nodes, or None (chains)."""
+    from pipeline.config import TreeConfig
+
+    if args.tree is None:
+        if args.tree_nodes is not None:
+            raise ValueError("--tree-nodes needs --tree")
+        return None
+    try:
+        branching = tuple(int(b) for b in args.tree.split(","))
+    except ValueError:
+        raise ValueError(f"--tree takes children per depth as a comma list (e.g. 3,2,1), got {args.tree!r}")
+    return TreeConfig(branching, args.tree_nodes)
+
+
+def tree_draft(tree, draft: str | None) -> str | None:
+    """The drafter word a tree drafts with: a 'lookup+WORD' drafter's WORD (said on stderr)."""
+    from pipeline.config import HYBRID_PREFIX
+
+    if tree is not None and draft is not None and draft.startswith(HYBRID_PREFIX):
+        draft = draft[len(HYBRID_PREFIX):]
+        sys.stderr.write(f"[token tree: drafting with {draft}, without prompt lookup]\n")
+    return draft
+
+
 def run(args: argparse.Namespace) -> int:
     # Validate the cheap things before loading anything.
-    from pipeline.config import HYBRID_PREFIX, EngineConfig, SamplingParams, SpecParams, TreeConfig
+    from pipeline.config import EngineConfig, SamplingParams, SpecParams
 
     if args.num_draft_tokens < 1:
         raise ValueError(f"-k must be >= 1, got {args.num_draft_tokens} (use --no-draft to turn speculation off)")
@@ -57,15 +88,7 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, stop=tuple(args.stop),
     ).with_seed()
     spec = SpecParams(num_draft_tokens=args.num_draft_tokens)
-    tree = None
-    if args.tree is not None:
-        try:
-            branching = tuple(int(b) for b in args.tree.split(","))
-        except ValueError:
-            raise ValueError(f"--tree takes children per depth as a comma list (e.g. 3,2,1), got {args.tree!r}")
-        tree = TreeConfig(branching, args.tree_nodes)
-    elif args.tree_nodes is not None:
-        raise ValueError("--tree-nodes needs --tree")
+    tree = tree_config(args)
 
     import torch
 
@@ -74,9 +97,7 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     draft = None if args.no_draft else (default_draft(args.target) if args.draft in (None, "default") else args.draft)
-    if tree is not None and draft is not None and draft.startswith(HYBRID_PREFIX):
-        draft = draft[len(HYBRID_PREFIX):]
-        sys.stderr.write(f"[token tree: drafting with {draft}, without prompt lookup]\n")
+    draft = tree_draft(tree, draft)
     config = EngineConfig(max_batch_size=1, max_seq_len=args.max_seq_len, device=args.device, dtype=args.dtype,
                           draft_weights=args.draft_weights, tree=tree)
     engine = SpeculativeEngine.from_pretrained(args.target, draft, config, adaptive_k=not args.fixed_k)

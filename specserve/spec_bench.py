@@ -18,7 +18,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 from pipeline.adaptive import AdaptiveK
-from pipeline.config import EngineConfig, SamplingParams, SpecParams, is_head
+from pipeline.config import EngineConfig, SamplingParams, SpecParams, TreeConfig, is_head
 from pipeline.distill.drafter import load_hf_assistant
 from pipeline.drafters import build_drafter, draft_model_spec
 from pipeline.engine import SpeculativeEngine
@@ -53,14 +53,17 @@ def run_bench(
     dtype: str = "float32",
     adaptive_k: bool = False,
     draft_weights: str = "model",  # "fp8": the draft model's graph path streams float8 weights (CUDA only)
+    tree: TreeConfig | None = None,  # engine-spec drafts token trees of this shape (`EngineConfig.tree`)
 ) -> dict[str, Any]:
     target_path = str(resolve(target))
     torch_dtype = getattr(torch, dtype)
     model, tok = load_model(target_path, device=device, dtype=dtype)
-    config = EngineConfig(max_batch_size=1, max_seq_len=4096, device=device, dtype=dtype, draft_weights=draft_weights)
+    config = EngineConfig(max_batch_size=1, max_seq_len=4096, device=device, dtype=dtype, draft_weights=draft_weights,
+                          tree=tree)
     drafter = build_drafter(draft, model.info, tok, device, dtype, target=model)
     policy = AdaptiveK(max_k=k) if adaptive_k else None
     engine = SpeculativeEngine(model, tok, drafter, config, k_policy=policy)  # refuses bad options before HF loads
+    drafter = engine.drafter  # as the engine drafts with it (a tree drafter around a draft model)
     draft_model_path = draft_model_spec(draft)
     if is_head(draft) and "hf-assisted" in methods:  # transformers has no assisted generation with a feature head
         methods = [m for m in methods if m != "hf-assisted"]
@@ -122,7 +125,9 @@ def run_bench(
     bar.close()
     return {
         "machine": machine(), "date": time.strftime("%Y-%m-%d"), "target": target_path, "draft": draft,
-        "k": k, "adaptive_k": adaptive_k, "dtype": dtype, "draft_weights": draft_weights, "max_tokens": max_tokens,
+        "k": k, "tree": None if tree is None else {"branching": list(tree.branching), "max_nodes": tree.max_nodes},
+        "adaptive_k": engine.k_policy is not None, "dtype": dtype, "draft_weights": draft_weights,
+        "max_tokens": max_tokens,
         "methods": methods, "records": records,
         "summary": summarize(records, methods),
     }
@@ -180,12 +185,20 @@ def markdown_table(result: dict[str, Any]) -> str:
             notes.append(f"{m}: {summary[m]['overall']['tokens_per_s'] / base:.2f}x of engine-target")
     return (
         f"Machine: {result['machine']}; date {result['date']}; drafter `{result['draft']}`, K={result['k']}"
-        f"{' (adaptive, 0..K per step)' if result.get('adaptive_k') else ''}, {result.get('dtype', 'float32')}, "
+        f"{' (adaptive, 0..K per step)' if result.get('adaptive_k') else ''}{_tree_words(result.get('tree'))}, "
+        f"{result.get('dtype', 'float32')}, "
         f"greedy, max_tokens={result['max_tokens']}, batch 1.\n"
         "Cells: tokens/s (engine-spec: mean tokens per target pass, bonus included, in brackets).\n\n"
         + head + "\n".join(rows) + "\n\n" + "; ".join(notes)
         + f"\n\nSpeculative output identical to target-only: {summary.get('spec_equals_target')} prompts.\n"
     )
+
+
+def _tree_words(tree: dict | None) -> str:
+    if tree is None:
+        return ""
+    budget = f", budget {tree['max_nodes']}" if tree["max_nodes"] else ""
+    return f", token tree {','.join(map(str, tree['branching']))}{budget} (K caps its depth)"
 
 
 def plot(result: dict[str, Any], path: str | Path) -> None:

@@ -17,6 +17,10 @@ DRAFT random stream), so verification stays exact at any temperature.
 
 The drafting itself (`medusa_draft`, `eagle3_chain`) is shared with `pipeline.device_loop`, which steps a batch with
 a head as device work: `pending_pairs` hands it the pairs each row has not read.
+
+With `draft_trees` a head drafts token trees of a static shape (`pipeline.tree`) instead of chains, on the step path:
+`eagle3_tree` (level by level, under a tree mask in the head's cache) and `medusa_tree` (depth d from head d, in one
+pass). The engine then observes the states of the accepted path, as after a chain.
 """
 
 from __future__ import annotations
@@ -28,14 +32,16 @@ from typing import Sequence
 
 import torch
 
-from pipeline.config import EAGLE3_PREFIX, MEDUSA_PREFIX
+from pipeline.config import EAGLE3_PREFIX, MEDUSA_PREFIX, TreeConfig
 from pipeline.drafters import ProposeRow, sparse_draft
 from pipeline.heads.eagle3 import Eagle3Head, load_eagle3
 from pipeline.heads.medusa import MedusaHeads, load_medusa
 from pipeline.models.store import resolve
+from pipeline.models.tree_attention import TreeMask
 from pipeline.rejection import DraftBlock
 from pipeline.rng import Stream, uniform
 from pipeline.sampling import SamplingTensors, sample_from_probs
+from pipeline.tree import TreeShape, draw_children, tree_shape
 
 FEED_AT = 16  # pairs observed at once (a prompt) go into the EAGLE-3 cache at once, not in a draft step
 
@@ -68,6 +74,14 @@ class HeadDrafter:
         self.static = self.eagle and self.device.type == "cuda"
         self._chains: dict[tuple, _StaticChain] = {}
         self._graph_pool = None
+        self.tree: TreeShape | None = None  # `draft_trees`: token trees of this shape instead of chains
+
+    def draft_trees(self, config: TreeConfig) -> None:
+        """Draft token trees of `config`'s shape from now on (`eagle3_tree`, `medusa_tree`; the module docstring of
+        `pipeline.tree` says how a tree is drafted and verified). The request's K caps the tree's depth, and so
+        does Medusa's number of heads."""
+        self.tree = tree_shape(config)
+        self.name = f"{self.name} (tree {'x'.join(map(str, config.branching))}, {self.tree.num_nodes} nodes)"
 
     @classmethod
     def from_spec(cls, spec: str, target) -> "HeadDrafter":
@@ -147,6 +161,8 @@ class HeadDrafter:
         states = [self._rows.get(r.request_id) for r in rows]
         active = [b for b, s in enumerate(states) if s is not None and not s.lost and s.pending and rows[b].num_draft]
         width = min(draft_top_k, self.head.lm_head.out_features if self.eagle else self.head_vocab)
+        if self.tree is not None:
+            return self._propose_tree(rows, states, active, sampling, steps, width)
         tokens = torch.zeros(B, k, dtype=torch.int64, device=dev)
         top_ids = torch.zeros(B, k, width, dtype=torch.int64, device=dev)
         top_probs = torch.zeros(B, k, width, dtype=torch.float32, device=dev)
@@ -163,6 +179,37 @@ class HeadDrafter:
             for b in active:
                 num[b] = min(rows[b].num_draft, depth)
         return DraftBlock(tokens, torch.tensor(num, dtype=torch.int64, device=dev), top_ids, top_probs)
+
+    def _propose_tree(self, rows: Sequence[ProposeRow], states: list[_Row | None], active: list[int],
+                      sampling: SamplingTensors, steps: torch.Tensor, width: int) -> DraftBlock:
+        """Each active row's tree of `self.tree`'s shape, cut to its budget's depth (and Medusa's heads)."""
+        shape, dev = self.tree, self.device
+        B, N = len(rows), shape.num_nodes
+        most = shape.depth if self.eagle else min(shape.depth, self.head.num_heads)
+        caps = [min(rows[b].num_draft, most) if b in active else 0 for b in range(B)]
+        tokens = torch.zeros(B, N, dtype=torch.int64, device=dev)
+        top_ids = torch.zeros(B, N, width, dtype=torch.int64, device=dev)
+        top_probs = torch.zeros(B, N, width, dtype=torch.float32, device=dev)
+        if active:
+            depth = max(caps)
+            n = shape.nodes_within(depth)
+            idx = torch.tensor(active, dtype=torch.int64)
+            sub = sampling.select(active)
+            u = uniform(sub.seeds, steps[idx.to(steps.device)], Stream.DRAFT, N).to(dev)  # [A, N]
+            rows_ = [states[b] for b in active]
+            if self.eagle:
+                logits, r = self._read(rows_)
+                slots = torch.tensor([s.slot for s in rows_], dtype=torch.int64)
+                pending = torch.tensor([s.fed for s in rows_], dtype=torch.int64)  # the tree region starts there
+                out = eagle3_tree(self.head, logits, r, pending, slots, shape, depth, sub, u, width, self._out_ids)
+            else:
+                feats = torch.stack([s.features[-1][-1] for s in rows_]).to(dev)  # [A, C]
+                out = medusa_tree(self.head, feats, shape, depth, sub, u, width)
+            a = idx.to(dev)
+            tokens[a, :n], top_ids[a, :n], top_probs[a, :n] = out
+        parents = torch.tensor(shape.parents, dtype=torch.int64, device=dev).expand(B, N).contiguous()
+        num = torch.tensor([shape.nodes_within(c) for c in caps], dtype=torch.int64, device=dev)
+        return DraftBlock(tokens, num, top_ids, top_probs, parents)
 
     def _eagle_chain_static(self, states: list[_Row], depth: int, sampling: SamplingTensors, u: torch.Tensor,
                             top_k: int, width: int, span: int):
@@ -413,6 +460,79 @@ def eagle3_chain(
             lg, rr = head.step(cols[-1][0][:, None], r[:, None], pending_pos + j, slots, fused=False, span=span)
             logits, r = lg[:, 0], rr[:, 0]
     return tuple(torch.stack(c, dim=1) for c in zip(*cols))
+
+
+def eagle3_tree(
+    head: Eagle3Head,
+    logits: torch.Tensor,  # [A, V'] at each row's last read pair: the distribution of the pending token's children
+    r: torch.Tensor,  # [A, C] the head's pre-norm output there
+    pending_pos: torch.Tensor,  # [A] int64 position of the pending token: the tree region starts there
+    slots: torch.Tensor,  # [A] int64 the rows' head cache slots
+    shape: TreeShape,
+    depth: int,  # levels to draft (<= shape.depth)
+    sampling: SamplingTensors,
+    u: torch.Tensor,  # [A, >= shape.num_nodes] DRAFT uniforms: node n draws with u[:, n]
+    top_k: int,
+    out_ids: torch.Tensor,  # [V'] target id of each draft-vocabulary row
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # tokens [A, n], ids [A, n, k], probs [A, n, k]; n nodes
+    """Draft a tree level by level (`pipeline.tree.draw_children` draws each level's tokens): the pending token's
+    children from `logits`, then one head call per level over that level's nodes, each node the pair (its parent's
+    pre-norm output, its token). The calls write the head's cache as a tree region from the pending token's position
+    (node i at index pending_pos + i, rotated by its depth, attending to the committed pairs and its ancestors): a
+    node's logits are those of its root-to-node path drafted as a chain. The next read writes the committed pairs
+    over the region (an accepted path's pairs are the chain's), and no query sees a region entry past them, so the
+    head's cache needs no compaction."""
+    A = logits.shape[0]
+    n = shape.nodes_within(depth)
+    dev = logits.device
+    tokens = torch.zeros(A, n, dtype=torch.int64, device=dev)
+    top_ids = torch.zeros(A, n, top_k, dtype=torch.int64, device=dev)
+    top_probs = torch.zeros(A, n, top_k, dtype=torch.float32, device=dev)
+    parents = torch.tensor(shape.parents[:n], dtype=torch.int64, device=dev).expand(A, n)
+    greedy = (sampling.temperature == 0).to(dev)[:, None]  # [A, 1]
+    level_logits, level_r, level_nodes = logits[:, None], r[:, None], [-1]  # per node of the level above
+    for level in range(depth):
+        lo, hi = shape.nodes_within(level), shape.nodes_within(level + 1)
+        draw_children(shape, level_logits, level_nodes, range(lo, hi), sampling, u, greedy, tokens, top_ids,
+                      top_probs, out_ids)
+        if level + 1 < depth:  # the next level needs this one's logits
+            own = torch.tensor([level_nodes.index(shape.parents[i]) for i in range(lo, hi)], device=dev)
+            level_logits, level_r = head.step(tokens[:, lo:hi], level_r[:, own], pending_pos + lo, slots, fused=False,
+                                              tree=TreeMask(parents[:, :hi], first=lo))
+            level_nodes = list(range(lo, hi))
+    return tokens, top_ids, top_probs
+
+
+def medusa_tree(
+    heads: MedusaHeads,
+    features: torch.Tensor,  # [A, C] the target's final normed state at each row's last committed position
+    shape: TreeShape,
+    depth: int,  # levels to draft (<= shape.depth, <= heads.num_heads)
+    sampling: SamplingTensors,
+    u: torch.Tensor,  # [A, >= shape.num_nodes] DRAFT uniforms: node n draws with u[:, n]
+    top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # tokens [A, n], ids [A, n, k], probs [A, n, k]; n nodes
+    """Medusa's tree in one pass of the heads: every node at depth d draws from head d's distribution, whatever its
+    parent (greedy: the node of rank r is head d's r-th token, Medusa's Cartesian product; sampled: each parent's
+    children drawn without replacement from head d, `pipeline.tree.draw_children`). A head's distribution does not
+    depend on the tokens above it, so it is the distribution each node was drawn from, given its earlier siblings,
+    as the multi-draft verification needs."""
+    A = features.shape[0]
+    n = shape.nodes_within(depth)
+    dev = features.device
+    tokens = torch.zeros(A, n, dtype=torch.int64, device=dev)
+    top_ids = torch.zeros(A, n, top_k, dtype=torch.int64, device=dev)
+    top_probs = torch.zeros(A, n, top_k, dtype=torch.float32, device=dev)
+    greedy = (sampling.temperature == 0).to(dev)[:, None]  # [A, 1]
+    hidden = heads.hidden(features.to(next(heads.parameters()).dtype))  # [A, K, C]
+    level_nodes = [-1]
+    for level in range(depth):
+        lo, hi = shape.nodes_within(level), shape.nodes_within(level + 1)
+        logits = heads.logits(hidden[:, level], level)  # [A, V]: the same for every parent
+        draw_children(shape, logits[:, None].expand(-1, len(level_nodes), -1), level_nodes, range(lo, hi), sampling,
+                      u, greedy, tokens, top_ids, top_probs)
+        level_nodes = list(range(lo, hi))
+    return tokens, top_ids, top_probs
 
 
 def head_info(folder: str | Path) -> dict:

@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from pipeline.models.llama import apply_rope, rms_norm, rope_inv_freq
+from pipeline.models.tree_attention import TreeMask, tree_rope_and_mask
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -175,25 +176,33 @@ class Eagle3Head(nn.Module):
         slots: torch.Tensor,  # [B] int64
         fused: bool,
         span: int | None = None,  # cache positions the attention reads; None: up to the last one fed (a host read)
+        tree: TreeMask | None = None,  # the pairs are nodes of a token tree (pipeline.models.tree_attention)
     ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [B, T, V'] float32, r [B, T, C]
         """Write the pairs' keys and values at their positions of each row's slot, attend causally over the slot,
         and return the logits and pre-norm output of every pair. With `span` (the cache length) the shapes do not
         depend on the positions, so a step can be captured in a CUDA graph (`pipeline.device_loop`); the mask
-        hides the keys past each query either way."""
+        hides the keys past each query either way. With `tree`, `positions` is the cache index of the call's first
+        pair in the tree region, and each pair is rotated by its depth and attends to the prefix and its own
+        ancestors (`tree_rope_and_mask`)."""
         dev = self.fc.weight.device
         tokens, positions, slots = tokens.to(dev), positions.to(dev), slots.to(dev)
         h = features.to(dev, self.fc.weight.dtype)
         if fused:
             h = self.fc(h)
         B, T = tokens.shape
-        pos = positions[:, None] + torch.arange(T, device=dev)  # [B, T]
-        q, k, v = self._qkv(tokens, h, pos)
+        pos = positions[:, None] + torch.arange(T, device=dev)  # [B, T] cache index of each pair
+        S = int(pos.max()) + 1 if span is None else span
+        if tree is None:
+            rope_pos = pos
+            mask = (torch.arange(S, device=dev)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, S]
+        else:
+            rope_pos, masks = tree_rope_and_mask(tree, positions, T, S, {None})
+            mask = masks[None]
+        q, k, v = self._qkv(tokens, h, rope_pos)
         self.k_cache[slots[:, None], :, pos] = k
         self.v_cache[slots[:, None], :, pos] = v
-        S = int(pos.max()) + 1 if span is None else span
         keys = self.k_cache[:, :, :S].index_select(0, slots)  # [B, Hkv, S, D]
         values = self.v_cache[:, :, :S].index_select(0, slots)
-        mask = (torch.arange(S, device=dev)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, S]
         c = self.cfg
         y = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
                                            enable_gqa=c.num_attention_heads != c.num_key_value_heads)

@@ -507,13 +507,14 @@ class LlamaCausalLM:
         slots: torch.Tensor,  # [B] int64 distinct cache slots
         layers: tuple[int, ...],  # which hidden states (`FINAL_NORMED` or a layer index, see below)
         logits_from: int = 0,
+        tree: TreeMask | None = None,  # the fed tokens are nodes of a token tree (pipeline.models.tree_attention)
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [B, T - logits_from, V] float32, [B, T, len(layers) * C]
         """`forward` that also returns hidden states of every fed position, concatenated in `layers` order: index
         i in [0, n_layers] is the residual stream entering layer i (n_layers: the last layer's output, before the
         final norm; EAGLE-3's auxiliary states), `FINAL_NORMED` the last layer's output after the final norm (what
         the output layer reads; Medusa's input). Plain `forward` computes none of them."""
         assert layers, "forward_features needs at least one layer"
-        logits, feats = self._forward(tokens, positions, slots, logits_from, layers)
+        logits, feats = self._forward(tokens, positions, slots, logits_from, layers, tree)
         return logits, torch.cat(feats, dim=-1)
 
     def _forward(self, tokens, positions, slots, logits_from: int, layers: tuple[int, ...],
