@@ -23,11 +23,12 @@ SPEC_BENCH = "/work/shared/data/spec_bench_dev.jsonl"
 
 
 def parse_tree(text: str):
-    """'3,2,2,1:8' -> TreeConfig((3, 2, 2, 1), max_nodes=8)."""
+    """'3,2,2,1:8' -> TreeConfig((3, 2, 2, 1), max_nodes=8); 'dyn:4,4,4,4:12' -> the same, dynamic=True."""
     from pipeline.config import TreeConfig
 
-    branching, _, nodes = text.partition(":")
-    return TreeConfig(tuple(int(b) for b in branching.split(",")), int(nodes) if nodes else None)
+    dynamic = text.startswith("dyn:")
+    branching, _, nodes = text.removeprefix("dyn:").partition(":")
+    return TreeConfig(tuple(int(b) for b in branching.split(",")), int(nodes) if nodes else None, dynamic=dynamic)
 
 
 def verify_costs(target, k: int, trees, context: int, reps: int) -> dict[str, float]:

@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = [(f"chain K={args.k}", engine, args.k)]
     for t in (parse_tree(t) for t in args.trees.split(";") if t):  # a drafter of its own, over the same target
         drafter = build_drafter(args.draft, engine.target.info, engine.tokenizer, args.device, target=engine.target)
-        name = f"tree {','.join(map(str, t.branching))}" + (f" budget {t.max_nodes}" if t.max_nodes else "")
+        name = (f"{'dynamic ' if t.dynamic else ''}tree {','.join(map(str, t.branching))}"
+                + (f" budget {t.max_nodes}" if t.max_nodes else ""))
         runs.append((name, SpeculativeEngine(engine.target, engine.tokenizer, drafter,
                                              dataclasses.replace(cfg, tree=t)), len(t.branching)))
     result: dict = {"draft": args.draft, "k": args.k, "max_tokens": args.max_tokens, "prompts": len(samples),

@@ -195,11 +195,18 @@ class TreeConfig:
 
     branching: tuple[int, ...] = (2, 2, 1, 1)  # children per node at each depth; its length is the tree's depth
     max_nodes: int | None = None  # node budget; None: the full tree (at most MAX_TREE_NODES nodes)
+    # EAGLE-2's dynamic tree (an EAGLE-3 head, greedy batches; `pipeline.heads.drafter.eagle3_dynamic_tree`): the
+    # pending token's branching[0] likeliest children, then at each depth d >= 1 every kept node of depth d - 1 gets
+    # its branching[d] likeliest children, of which the branching[d] likeliest paths are kept to grow on; the
+    # max_nodes likeliest paths of all drafted nodes are verified. Sampled batches draft the static shape.
+    dynamic: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "branching", tuple(int(b) for b in self.branching))
         if not self.branching or min(self.branching) < 1:
             raise InvalidParam("tree", f"tree branching must be one or more counts >= 1, got {self.branching}")
+        if self.dynamic and self.max_nodes is None:
+            raise InvalidParam("tree", "a dynamic tree needs a node budget (max_nodes)")
         if self.max_nodes is not None and not 1 <= self.max_nodes <= MAX_TREE_NODES:
             raise InvalidParam("tree", f"tree max_nodes must be in [1, {MAX_TREE_NODES}], got {self.max_nodes}")
         full, width = 0, 1

@@ -505,6 +505,8 @@ def _tree_drafter(drafter: Drafter | None, target: CausalLM, tree: TreeConfig) -
     if not isinstance(drafter, ModelDrafter):
         raise ValueError(f"a token tree needs a draft model of the target's vocabulary or a feature head; drafter "
                          f"{getattr(drafter, 'name', None)!r} is neither")
+    if tree.dynamic:
+        raise ValueError(f"a dynamic token tree is drafted by an EAGLE-3 head; {drafter.name!r} is a draft model")
     for role, model in (("target", target), ("draft model", drafter.model)):
         if not supports_tree(model):
             log.warning("token trees: the %s runs on %s, which has no tree attention; drafting chains instead",

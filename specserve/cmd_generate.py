@@ -50,6 +50,8 @@ def add_tree_arguments(p: argparse.ArgumentParser) -> None:
                         "a draft model or a feature head ('eagle3:DIR', 'medusa:DIR'; a 'lookup+WORD' drafter drafts "
                         "with its WORD); -k caps the depth")
     p.add_argument("--tree-nodes", type=int, default=None, help="node budget of --tree (default: the full tree)")
+    p.add_argument("--tree-dynamic", action="store_true", help="EAGLE-2's dynamic tree (an EAGLE-3 head, greedy): "
+                   "--tree's counts are nodes kept to grow on and children each, per depth; needs --tree-nodes")
 
 
 def tree_config(args: argparse.Namespace):  # -> pipeline.config.TreeConfig | None
@@ -57,14 +59,14 @@ def tree_config(args: argparse.Namespace):  # -> pipeline.config.TreeConfig | No
     from pipeline.config import TreeConfig
 
     if args.tree is None:
-        if args.tree_nodes is not None:
-            raise ValueError("--tree-nodes needs --tree")
+        if args.tree_nodes is not None or args.tree_dynamic:
+            raise ValueError("--tree-nodes and --tree-dynamic need --tree")
         return None
     try:
         branching = tuple(int(b) for b in args.tree.split(","))
     except ValueError:
         raise ValueError(f"--tree takes children per depth as a comma list (e.g. 3,2,1), got {args.tree!r}")
-    return TreeConfig(branching, args.tree_nodes)
+    return TreeConfig(branching, args.tree_nodes, dynamic=args.tree_dynamic)
 
 
 def tree_draft(tree, draft: str | None) -> str | None:

@@ -75,12 +75,17 @@ class HeadDrafter:
         self._chains: dict[tuple, _StaticChain] = {}
         self._graph_pool = None
         self.tree: TreeShape | None = None  # `draft_trees`: token trees of this shape instead of chains
+        self.dynamic: TreeConfig | None = None  # `draft_trees` with a dynamic config: greedy batches' trees
 
     def draft_trees(self, config: TreeConfig) -> None:
         """Draft token trees of `config`'s shape from now on (`eagle3_tree`, `medusa_tree`; the module docstring of
         `pipeline.tree` says how a tree is drafted and verified). The request's K caps the tree's depth, and so
-        does Medusa's number of heads."""
+        does Medusa's number of heads. With `config.dynamic` an EAGLE-3 head drafts greedy batches' trees by its
+        own confidence (`eagle3_dynamic_tree`)."""
+        if config.dynamic and not self.eagle:
+            raise ValueError(f"a dynamic token tree is drafted by an EAGLE-3 head; {self.name} is not one")
         self.tree = tree_shape(config)
+        self.dynamic = config if config.dynamic else None
         self.name = f"{self.name} (tree {'x'.join(map(str, config.branching))}, {self.tree.num_nodes} nodes)"
 
     @classmethod
@@ -201,6 +206,11 @@ class HeadDrafter:
                 logits, r = self._read(rows_)
                 slots = torch.tensor([s.slot for s in rows_], dtype=torch.int64)
                 pending = torch.tensor([s.fed for s in rows_], dtype=torch.int64)  # the tree region starts there
+                if self.dynamic is not None and sub.all_greedy:
+                    cfg = self.dynamic
+                    return _scatter_rows(B, active, eagle3_dynamic_tree(
+                        self.head, logits, r, pending, slots, cfg.branching[:depth], cfg.max_nodes,
+                        [caps[b] for b in active], self._out_ids), width)
                 out = eagle3_tree(self.head, logits, r, pending, slots, shape, depth, sub, u, width, self._out_ids)
             else:
                 feats = torch.stack([s.features[-1][-1] for s in rows_]).to(dev)  # [A, C]
@@ -501,6 +511,82 @@ def eagle3_tree(
                                               tree=TreeMask(parents[:, :hi], first=lo))
             level_nodes = list(range(lo, hi))
     return tokens, top_ids, top_probs
+
+
+def eagle3_dynamic_tree(
+    head: Eagle3Head,
+    logits: torch.Tensor,  # [A, V'] at each row's last read pair: the distribution of the pending token's children
+    r: torch.Tensor,  # [A, C] the head's pre-norm output there
+    pending_pos: torch.Tensor,  # [A] int64 position of the pending token: the head's tree region starts there
+    slots: torch.Tensor,  # [A] int64 the rows' head cache slots
+    branching: tuple[int, ...],  # per depth: nodes kept to grow on, and children per grown node
+    budget: int,  # nodes verified
+    caps: list[int],  # per row: the deepest it may draft (its K)
+    out_ids: torch.Tensor,  # [V'] target id of each draft-vocabulary row
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # tokens [A, budget], parents [A, budget], nodes [A]
+    """EAGLE-2's dynamic tree for greedy rows (Li et al. 2024): a node's score is its path's log-probability under
+    the head. The pending token's branching[0] likeliest children are drafted; at each depth d >= 1 the kept nodes
+    of depth d - 1 (the branching[d - 1] best-scored, all of them at depth 0) go through the head in one call (a tree
+    region in its cache, as in `eagle3_tree`) and each gets its branching[d] likeliest children, of which the
+    branching[d] best-scored are kept. Of every node drafted, the `budget` best-scored of depth < the row's cap are
+    verified, numbered by depth (a parent scores at least as well as its child, so they form a tree, parents
+    first). Greedy verification walks the tree: each node ships as a point mass."""
+    A, dev = logits.shape[0], logits.device
+    lp, idx = logits.float().log_softmax(-1).topk(branching[0], dim=-1)  # [A, b0]
+    scores, tokens, parents, depths = [lp], [out_ids[idx]], [torch.full_like(idx, -1)], [0] * branching[0]
+    keep = torch.arange(branching[0], device=dev).expand(A, -1)  # [A, w] candidate index of each kept node
+    keep_r = r[:, None].expand(-1, branching[0], -1)  # [A, w, C] each kept node's parent output
+    region_parent = torch.full((A, 0), -1, dtype=torch.int64, device=dev)  # parents within the head's region
+    keep_region_parent = torch.full((A, branching[0]), -1, dtype=torch.int64, device=dev)
+    seen = branching[0]  # candidates so far
+    for d in range(1, len(branching)):
+        lo = region_parent.shape[1]
+        region_parent = torch.cat([region_parent, keep_region_parent], dim=1)
+        toks = torch.cat(tokens, dim=1).gather(1, keep)  # [A, w]: target ids; the head embeds target ids
+        lg, out_r = head.step(toks, keep_r, pending_pos + lo, slots, fused=False,
+                              tree=TreeMask(region_parent, first=lo))  # [A, w, V'], [A, w, C]
+        kept_scores = torch.cat(scores, dim=1).gather(1, keep)  # [A, w]
+        clp, cidx = lg.float().log_softmax(-1).topk(branching[d], dim=-1)  # [A, w, b]
+        child = (kept_scores[..., None] + clp).flatten(1)  # [A, w * b]
+        scores.append(child)
+        tokens.append(out_ids[cidx].flatten(1))
+        parents.append(keep[..., None].expand(-1, -1, branching[d]).flatten(1))
+        depths += [d] * child.shape[1]
+        best = child.topk(min(branching[d], child.shape[1]), dim=-1).indices  # [A, w']
+        keep = seen + best
+        keep_r = out_r.gather(1, (best // branching[d])[..., None].expand(-1, -1, out_r.shape[-1]))
+        keep_region_parent = lo + best // branching[d]  # the kept node's parent was fed at region index lo + i
+        seen += child.shape[1]
+    score = torch.cat(scores, dim=1)  # [A, M]
+    depth = torch.tensor(depths, device=dev)
+    allowed = depth[None, :] < torch.tensor(caps, device=dev)[:, None]  # [A, M]
+    # ties: the shallower first, so a parent never ranks below its child
+    key = torch.where(allowed, score - 1e-4 * depth, float("-inf"))
+    n = min(budget, score.shape[1])
+    chosen = key.topk(n, dim=-1).indices  # [A, n]
+    valid = allowed.gather(1, chosen)
+    chosen = torch.where(valid, chosen, chosen + score.shape[1]).sort(dim=-1).values % score.shape[1]  # by depth
+    order = torch.arange(n, device=dev).expand(A, -1)
+    new_index = torch.full_like(score, -1, dtype=torch.int64).scatter_(1, chosen, order)
+    par = torch.cat(parents, dim=1).gather(1, chosen)
+    new_par = torch.where(par >= 0, new_index.gather(1, par.clamp_min(0)), -1)
+    return torch.cat(tokens, dim=1).gather(1, chosen), new_par, valid.sum(-1)
+
+
+def _scatter_rows(B: int, active: list[int], tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                  width: int) -> DraftBlock:
+    """A `DraftBlock` of B rows from the active rows' greedy trees (tokens, parents, nodes): point masses."""
+    tokens, parents, nodes = tree
+    dev, N = tokens.device, tokens.shape[1]
+    a = torch.tensor(active, dtype=torch.int64, device=dev)
+    out_tok = torch.zeros(B, N, dtype=torch.int64, device=dev)
+    out_par = torch.arange(-1, N - 1, device=dev).expand(B, N).contiguous()  # inactive rows: a chain of no nodes
+    num = torch.zeros(B, dtype=torch.int64, device=dev)
+    out_tok[a], out_par[a], num[a] = tokens, parents, nodes
+    top_ids = out_tok[..., None].expand(-1, -1, width).contiguous()
+    top_probs = torch.zeros(B, N, width, device=dev)
+    top_probs[..., 0] = 1.0
+    return DraftBlock(out_tok, num, top_ids, top_probs, out_par)
 
 
 def medusa_tree(

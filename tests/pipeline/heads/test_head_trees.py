@@ -12,7 +12,7 @@ import torch
 from pipeline.config import EngineConfig, SamplingParams, SpecParams, TreeConfig
 from pipeline.drafters import ProposeRow, build_drafter
 from pipeline.engine import SpeculativeEngine
-from pipeline.heads.drafter import HeadDrafter, eagle3_tree, medusa_tree
+from pipeline.heads.drafter import HeadDrafter, eagle3_dynamic_tree, eagle3_tree, medusa_tree
 from pipeline.models.loader import load_model
 from pipeline.rejection import accept, verify
 from pipeline.sampling import SamplingTensors, warp
@@ -272,3 +272,77 @@ def test_sampled_tree_first_token_follows_the_target_and_a_wrong_claim_does_not(
     assert _pvalue(tokens, target) > ALPHA
     tokens, target = _first_tokens(setup, name, n, sharpen, broken=True)
     assert _pvalue(tokens, target) < 1e-6
+
+
+# ---- EAGLE-2's dynamic tree ---------------------------------------------------------------------------------------
+
+DYNAMIC = TreeConfig((3, 3, 3), max_nodes=7, dynamic=True)
+
+
+def test_dynamic_tree_is_a_tree_of_the_heads_likeliest_children(setup):
+    """Parents come first, every node is one of its parent's branching[depth] likeliest children (the head's logits
+    along the parent's path, drafted as a chain in another slot), no two siblings repeat a token, and the nodes kept
+    are the best-scored: a kept node's path log-probability is at least that of every drafted node left out."""
+    _, drafter = _observed(setup, "eagle3", slots=2)
+    head = drafter.head
+    states = [drafter._rows["r0"], drafter._rows["r1"]]
+    logits, r = drafter._read(states)
+    pending = torch.tensor([states[0].fed])
+    tokens, parents, nodes = eagle3_dynamic_tree(head, logits[:1], r[:1], pending, torch.tensor([0]),
+                                                 DYNAMIC.branching, DYNAMIC.max_nodes, [3], drafter._out_ids)
+    tokens, parents = tokens[0].tolist(), parents[0].tolist()
+    assert int(nodes[0]) == DYNAMIC.max_nodes == len(tokens)
+    depth, score = [], []
+    for n, p in enumerate(parents):
+        assert -1 <= p < n
+        path = []
+        j = p
+        while j >= 0:
+            path.insert(0, j)
+            j = parents[j]
+        lg, rr = logits[1:], r[1:]
+        for d, m in enumerate(path):  # the parent's path as a chain, in slot 1
+            out_lg, out_r = head.step(torch.tensor([[tokens[m]]]), rr[:, None], pending + d, torch.tensor([1]),
+                                      fused=False)
+            lg, rr = out_lg[:, 0], out_r[:, 0]
+        lp = lg[0].log_softmax(-1)
+        ids = drafter._out_ids[lp.topk(DYNAMIC.branching[len(path)]).indices].tolist()
+        assert tokens[n] in ids
+        depth.append(len(path))
+        score.append((score[p] if p >= 0 else 0.0) + float(lp[(drafter._out_ids == tokens[n]).nonzero()[0, 0]]))
+    assert depth == sorted(depth) and max(depth) >= 1
+    for p in set(parents):
+        kids = [tokens[n] for n in range(len(tokens)) if parents[n] == p]
+        assert len(kids) == len(set(kids))
+    # the pending token's 3 children are all drafted; a left-out child of the root would score below every kept node
+    root_lp = logits[0].log_softmax(-1)
+    left_out = [float(x) for i, x in zip(drafter._out_ids[root_lp.topk(3).indices].tolist(), root_lp.topk(3).values)
+                if i not in [tokens[n] for n in range(len(tokens)) if parents[n] == -1]]
+    assert all(s >= max(left_out, default=-1e9) - 1e-3 for s in score)
+
+
+@pytest.mark.parametrize("tree", [DYNAMIC, TreeConfig((4, 4, 4, 4), max_nodes=12, dynamic=True)],
+                         ids=["3x3x3-7", "4x4x4x4-12"])
+def test_greedy_dynamic_trees_equal_the_targets_output(setup, tree):
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    want = [r.token_ids for r in _engine(setup, None).generate_batch(PROMPTS, params)]
+    engine = _engine(setup, "eagle3", tree)
+    assert engine.head.dynamic is tree
+    got = engine.generate_batch(PROMPTS, params, SpecParams(4))
+    assert [r.token_ids for r in got] == want
+    assert sum(r.stats["drafted"] for r in got) > 0
+    assert engine.generate(PROMPTS[2], params, SpecParams(2)).token_ids == want[2]  # K = 2 caps the depth
+
+
+def test_sampled_rows_of_a_dynamic_tree_draft_its_static_shape_and_replay(setup):
+    engine = _engine(setup, "eagle3", DYNAMIC)
+    params = [SamplingParams(temperature=0.8, max_tokens=12, seed=s, ignore_eos=True) for s in (4, 5)]
+    once = [engine.generate(p, q, SpecParams(3)).token_ids for p, q in zip(PROMPTS, params)]
+    assert once == [r.token_ids for r in engine.generate_batch(PROMPTS[:2], params, SpecParams(3))]
+
+
+def test_a_dynamic_tree_needs_an_eagle3_head_and_a_budget(setup):
+    with pytest.raises(ValueError, match="node budget"):
+        TreeConfig((2, 2), dynamic=True)
+    with pytest.raises(ValueError, match="EAGLE-3 head"):
+        _engine(setup, "medusa", DYNAMIC)
