@@ -173,8 +173,8 @@ def bench_ours(shape: str, batches: list[int], Ts: list[int], context: int, eage
             torch.cuda.synchronize()
             first_s = time.perf_counter() - t_first
             step = time_fn(lambda: graph.forward(tokens, positions, slots))
-            key = graph.shape_for(B, T, context)
-            captured = graph._graphs[key].graph
+            key = graph.shape_for(B, T, context)  # None: past every captured shape, the call ran uncaptured
+            captured = graph._graphs[key].graph if key is not None else None
             replay = time_fn(captured.replay) if captured is not None else {"median_ms": float("nan")}
             row = {"impl": "ours-graph", "model": shape, "B": B, "T": T, "ms": step["median_ms"],
                    "p90_ms": step["p90_ms"], "replay_ms": replay["median_ms"], "bucket": key, "first_call_s": first_s,

@@ -4,7 +4,7 @@
     python -m ops.gpu_demo_serve --device cpu --prompts 2 --max-tokens 32                 # a dry run on the CPU
 
 The demo target is SmolLM2-135M-Instruct (its Q4_1 GGUF, dequantized; `--dtype`, float32 by default), the drafter
-what `specserve serve` deploys for it (`default_draft`: prompt lookup, the shipped distilled drafter elsewhere) or
+what `specserve serve` deploys for it (`default_draft`: prompt lookup, then the shipped EAGLE-3 head) or
 `--draft`. The GGUF (98 MB) is over what one device call carries (64 MiB with the 28 MiB tree; the Serve bundle
 is another 34 MB): split it here (`split -b 33M -d FILE DIR/gguf-part-`, DIR ignored by git), bring one part per
 call and copy it to /tmp there, then run this with the bundle; `--gguf-parts GLOB` joins the parts (sorted by name)
