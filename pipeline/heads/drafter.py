@@ -492,12 +492,9 @@ def eagle3_tree(
     node's logits are those of its root-to-node path drafted as a chain. The next read writes the committed pairs
     over the region (an accepted path's pairs are the chain's), and no query sees a region entry past them, so the
     head's cache needs no compaction."""
-    A = logits.shape[0]
+    A, dev = logits.shape[0], logits.device
     n = shape.nodes_within(depth)
-    dev = logits.device
-    tokens = torch.zeros(A, n, dtype=torch.int64, device=dev)
-    top_ids = torch.zeros(A, n, top_k, dtype=torch.int64, device=dev)
-    top_probs = torch.zeros(A, n, top_k, dtype=torch.float32, device=dev)
+    tokens, top_ids, top_probs = _tree_outputs(A, n, top_k, dev)
     parents = torch.tensor(shape.parents[:n], dtype=torch.int64, device=dev).expand(A, n)
     greedy = (sampling.temperature == 0).to(dev)[:, None]  # [A, 1]
     level_logits, level_r, level_nodes = logits[:, None], r[:, None], [-1]  # per node of the level above
@@ -573,6 +570,12 @@ def eagle3_dynamic_tree(
     return torch.cat(tokens, dim=1).gather(1, chosen), new_par, valid.sum(-1)
 
 
+def _tree_outputs(A: int, n: int, top_k: int, dev) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Zeroed tokens [A, n], ids [A, n, k] and probs [A, n, k] for a tree drafter to fill level by level."""
+    return (torch.zeros(A, n, dtype=torch.int64, device=dev), torch.zeros(A, n, top_k, dtype=torch.int64, device=dev),
+            torch.zeros(A, n, top_k, dtype=torch.float32, device=dev))
+
+
 def _scatter_rows(B: int, active: list[int], tree: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                   width: int) -> DraftBlock:
     """A `DraftBlock` of B rows from the active rows' greedy trees (tokens, parents, nodes): point masses."""
@@ -603,12 +606,9 @@ def medusa_tree(
     children drawn without replacement from head d, `pipeline.tree.draw_children`). A head's distribution does not
     depend on the tokens above it, so it is the distribution each node was drawn from, given its earlier siblings,
     as the multi-draft verification needs."""
-    A = features.shape[0]
+    A, dev = features.shape[0], features.device
     n = shape.nodes_within(depth)
-    dev = features.device
-    tokens = torch.zeros(A, n, dtype=torch.int64, device=dev)
-    top_ids = torch.zeros(A, n, top_k, dtype=torch.int64, device=dev)
-    top_probs = torch.zeros(A, n, top_k, dtype=torch.float32, device=dev)
+    tokens, top_ids, top_probs = _tree_outputs(A, n, top_k, dev)
     greedy = (sampling.temperature == 0).to(dev)[:, None]  # [A, 1]
     hidden = heads.hidden(features.to(next(heads.parameters()).dtype))  # [A, K, C]
     level_nodes = [-1]
