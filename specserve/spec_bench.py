@@ -125,7 +125,8 @@ def run_bench(
     bar.close()
     return {
         "machine": machine(), "date": time.strftime("%Y-%m-%d"), "target": target_path, "draft": draft,
-        "k": k, "tree": None if tree is None else {"branching": list(tree.branching), "max_nodes": tree.max_nodes},
+        "k": k, "tree": None if tree is None else {"branching": list(tree.branching), "max_nodes": tree.max_nodes,
+                                                   "dynamic": tree.dynamic},
         "adaptive_k": engine.k_policy is not None, "dtype": dtype, "draft_weights": draft_weights,
         "max_tokens": max_tokens,
         "methods": methods, "records": records,
