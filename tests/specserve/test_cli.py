@@ -37,6 +37,8 @@ def _assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> 
         (["--max-tokens", "0"], ["max_tokens must be >= 1"]),
         (["--target", "/nonexistent/model"], ["not found", "/nonexistent/model"]),
         (["--temperature", "warm"], ["invalid float value"]),
+        (["--tree-dynamic"], ["need --tree"]),
+        (["--tree", "4,4", "--tree-dynamic"], ["dynamic tree needs a node budget"]),
     ],
 )
 def test_bad_input_exits_with_one_line(args, needles):
