@@ -19,6 +19,7 @@ from pipeline.rejection import DraftBlock, VerifyOutput, accept, verify
 from pipeline.rng import Stream, uniform
 from pipeline.sampling import SamplingTensors, sample_from_probs, warp
 from pipeline.tree import TreeShape, draw_without_replacement, tree_shape
+from tests.support.models import NoTreeRunner
 
 V = 8
 
@@ -275,16 +276,8 @@ def test_a_tree_without_a_draft_model_is_refused(target):
 
 
 def test_a_target_without_tree_attention_keeps_chains(tiny_models, target, caplog):
-    class NoTree:  # a runner of the interface without `supports_tree` (as the CUDA graph path)
-        def __init__(self, inner):
-            self.inner, self.info = inner, inner.info
-
-        def __getattr__(self, name):
-            if name in ("supports_tree", "compact"):
-                raise AttributeError(name)
-            return getattr(self.inner, name)
-
     drafter = ModelDrafter(load_model(tiny_models["draft"])[0])
     with caplog.at_level("WARNING"):
-        engine = SpeculativeEngine(NoTree(target), None, drafter, EngineConfig(max_seq_len=128, tree=TreeConfig()))
+        engine = SpeculativeEngine(NoTreeRunner(target), None, drafter,
+                                   EngineConfig(max_seq_len=128, tree=TreeConfig()))
     assert engine.drafter is drafter and "drafting chains instead" in caplog.text

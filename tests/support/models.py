@@ -84,3 +84,16 @@ def make_tiny_gpt2(path: str | Path, *, vocab_size: int = 128, hidden: int = 64,
     out = Path(path)
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+class NoTreeRunner:
+    """A runner of the interface without `supports_tree` or `compact` (as the CUDA graph path): wraps a fast-path
+    model, to check that trees fall back to chains on such a target."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.info = inner, inner.info
+
+    def __getattr__(self, name: str):
+        if name in ("supports_tree", "compact"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)

@@ -19,7 +19,7 @@ from pipeline.sampling import SamplingTensors, warp
 from pipeline.tree import tree_shape
 from tests.pipeline.test_rejection import ALPHA, _pvalue
 from tests.support.heads import make_eagle3_checkpoint, make_medusa_checkpoint
-from tests.support.models import make_tiny_llama
+from tests.support.models import NoTreeRunner, make_tiny_llama
 
 V = 128
 PROMPTS = [[1, 5, 9, 17, 33, 65], [3, 4], [7] * 12 + [8, 9, 10], [100, 2, 50, 51, 52, 53, 54, 55, 56]]
@@ -212,19 +212,10 @@ def test_a_hybrid_head_is_refused_with_a_tree(setup):
 
 
 def test_a_head_on_a_target_without_tree_attention_keeps_chains(setup, caplog):
-    class NoTree:  # a runner of the interface without `supports_tree` (as the CUDA graph path)
-        def __init__(self, inner):
-            self.inner, self.info = inner, inner.info
-
-        def __getattr__(self, name):
-            if name in ("supports_tree", "compact"):
-                raise AttributeError(name)
-            return getattr(self.inner, name)
-
     model, tok = load_model(str(setup["target"]))
     drafter = build_drafter(f"eagle3:{setup['eagle3']}", model.info, tok, target=model)
     with caplog.at_level("WARNING"):
-        engine = SpeculativeEngine(NoTree(model), tok, drafter, EngineConfig(max_seq_len=128, tree=TreeConfig()))
+        engine = SpeculativeEngine(NoTreeRunner(model), tok, drafter, EngineConfig(max_seq_len=128, tree=TreeConfig()))
     assert engine.drafter is drafter and drafter.tree is None and "drafting chains instead" in caplog.text
 
 
