@@ -451,6 +451,7 @@ class LlamaCausalLM:
         self.local_inv_freq = None if theta is None else rope_inv_freq(self.args.head_dim, theta, None).to(self.device)
         self.k_caches: list[torch.Tensor] = []  # per layer [num_slots, Hkv, max_len, D]
         self.v_caches: list[torch.Tensor] = []
+        self._kv: torch.Tensor | None = None  # the block both are views of (`allocate`)
         self._num_slots = 0
         self._max_len = 0
         self._cos = self._sin = torch.empty(0)
@@ -468,11 +469,12 @@ class LlamaCausalLM:
     def allocate(self, num_slots: int, max_len: int) -> None:
         assert num_slots >= 1 and max_len >= 1, f"need num_slots, max_len >= 1, got {num_slots}, {max_len}"
         a = self.args
-        self.k_caches, self.v_caches = [], []  # free the old cache before allocating the new one
-        shape = (num_slots, a.n_kv_heads, max_len, a.head_dim)
-        for _ in range(a.n_layers):
-            self.k_caches.append(torch.zeros(shape, device=self.device, dtype=self.dtype))
-            self.v_caches.append(torch.zeros(shape, device=self.device, dtype=self.dtype))
+        self.k_caches, self.v_caches, self._kv = [], [], None  # free the old cache before allocating the new one
+        # One block [2 (k, v), n_layers, num_slots, Hkv, max_len, D]; each layer's k and v caches are views of it
+        # (contiguous), so `compact` moves every layer's entries in one gather and one scatter.
+        self._kv = torch.zeros((2, a.n_layers, num_slots, a.n_kv_heads, max_len, a.head_dim), device=self.device,
+                               dtype=self.dtype)
+        self.k_caches, self.v_caches = list(self._kv[0].unbind(0)), list(self._kv[1].unbind(0))
         self._num_slots, self._max_len = num_slots, max_len
         self._cos, self._sin = self._rope_table(self.inv_freq, max_len)
         if self.local_inv_freq is not None:
@@ -582,11 +584,11 @@ class LlamaCausalLM:
         dst: torch.Tensor,  # [B, M] int64 cache indices to move to (src == dst: nothing moves)
     ) -> None:
         """Move cache entries within each row's slot, every layer: after a tree's verification, the accepted path's
-        keys and values to consecutive positions. All sources are read before any destination is written."""
-        slots, src, dst = (t.to(self.device) for t in (slots, src, dst))
-        for cache in self.k_caches + self.v_caches:
-            moved = cache[slots[:, None], :, src]  # [B, M, Hkv, D]
-            cache[slots[:, None], :, dst] = moved
+        keys and values to consecutive positions. All sources are read before any destination is written: one
+        gather and one scatter over the whole cache block (`allocate`)."""
+        slots, src, dst = (t.to(self.device, non_blocking=True) for t in (slots, src, dst))
+        moved = self._kv[:, :, slots[:, None], :, src]  # [B, M, 2, n_layers, Hkv, D]
+        self._kv[:, :, slots[:, None], :, dst] = moved
 
 
 # Rows up to which the CPU path below pays; measured on the project's 2-core AMD EPYC (torch 2.13, MKL, fp32,
