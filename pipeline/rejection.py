@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeline.models.tree_attention import tree_ancestors
 from pipeline.rng import Stream, uniform
 from pipeline.sampling import SamplingTensors, sample_from_probs, warp
 
@@ -220,22 +221,22 @@ def _walk_tree(
     draft: DraftBlock,
 ) -> AcceptOutput:
     """From the pending token, descend into the first child (in order) that passed its test, until none does;
-    then the recovered (or bonus) token of the node the walk stopped at."""
+    then the recovered (or bonus) token of the node the walk stopped at. Without a loop over the nodes: a node is
+    on the walk when it and each of its ancestors is the first of its siblings to pass (`tree_ancestors`)."""
     B, K = ok.shape
     device = ok.device
     parent_pos = draft.parent_positions()
     node = torch.arange(K, device=device)
-    cur = torch.zeros(B, dtype=torch.int64, device=device)  # fed position of the current node (0: pending)
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    path = torch.full((B, K), -1, dtype=torch.int64, device=device)
-    for d in range(K):
-        cand = ok & (parent_pos == cur[:, None])  # [B, K]
-        first = torch.where(cand, node[None, :], K).amin(-1)  # [B]
-        moved = (first < K) & ~done
-        path[:, d] = torch.where(moved, first, -1)
-        cur = torch.where(moved, first + 1, cur)
-        done |= ~moved
+    earlier_sibling = (parent_pos[:, :, None] == parent_pos[:, None, :]) & (node[:, None] > node[None, :])  # [B, K, K]
+    first_ok = ok & ~(earlier_sibling & ok[:, None, :]).any(-1)  # [B, K]: the first of its siblings to pass
+    on_path = ~(tree_ancestors(draft.parents) & ~first_ok[:, None, :]).any(-1)  # [B, K]
+    order = torch.where(on_path, node, K).sort(-1).values  # on-path nodes first, parents before children
+    path = torch.where(order < K, order, -1)  # [B, K] the walk, then -1
     num_accepted = (path >= 0).sum(-1)  # [B]
+    cur = torch.zeros(B, dtype=torch.int64, device=device)  # fed position the walk stops at (0: the pending token)
+    if K:
+        last = path.gather(1, (num_accepted - 1).clamp_min(0)[:, None]).squeeze(1)  # [B] the deepest accepted node
+        cur = torch.where(num_accepted > 0, last + 1, cur)
     final = target_tokens.gather(-1, cur[:, None])  # [B, 1]
     walked = draft.token_ids.gather(-1, path.clamp_min(0))  # [B, K]
     padded = torch.cat([walked, final], dim=-1)  # [B, K+1]

@@ -9,6 +9,10 @@ accepted path's entries to consecutive indices (`compact`), where their keys are
 
 A call may feed the region in parts (a draft model drafts a tree level by level): `first` names the region node
 the call's first token is; the region's earlier nodes were written by earlier calls.
+
+The static-shape graph path (`pipeline.models.graphs`) takes a whole region per call (`first` = 0) in a compact form
+its kernels read: per fed node an ancestor bit set (bit j: region node j is the node itself or an ancestor) and its
+depth, computed on the device by pointer jumping (`tree_bits`: log2(T) rounds of gathers, no host sync, capturable).
 """
 
 from __future__ import annotations
@@ -27,23 +31,43 @@ class TreeMask:
 
 
 def tree_depths(parents: torch.Tensor) -> torch.Tensor:  # [B, R] int64 -> [B, R] int64, 0 under the prefix
-    B, R = parents.shape
-    depth = torch.zeros(B, R, dtype=torch.int64, device=parents.device)
-    for i in range(1, R):  # parents precede their children
-        p = parents[:, i]
-        depth[:, i] = torch.where(p >= 0, depth.gather(1, p.clamp_min(0)[:, None]).squeeze(1) + 1, 0)
-    return depth
+    return tree_ancestors(parents).sum(-1) - 1  # a node's ancestors in the region, itself included
 
 
 def tree_ancestors(parents: torch.Tensor) -> torch.Tensor:  # [B, R] int64 -> [B, R, R] bool, [b, i, j]: j is i or
-    B, R = parents.shape                                      # an ancestor of i
+    """an ancestor of i. Pointer jumping: after round r a node holds its ancestors closer than 2**r and points at the
+    2**r-th one: log2(R) rounds of a few gathers, whatever the tree (no per-node loop, no host read)."""
+    B, R = parents.shape
     anc = torch.eye(R, dtype=torch.bool, device=parents.device).repeat(B, 1, 1)
-    rows = torch.arange(B, device=parents.device)
-    for i in range(1, R):
-        p = parents[:, i]
-        inherited = anc[rows, p.clamp_min(0)] & (p >= 0)[:, None]  # [B, R]
-        anc[:, i] |= inherited
+    up = parents.clone()  # the 2**r-th ancestor, -1 past the prefix
+    for _ in range(max(R - 1, 0).bit_length()):  # 2**rounds > the deepest node's depth
+        has = up >= 0
+        at = up.clamp_min(0)
+        anc = anc | (anc.gather(1, at[..., None].expand(B, R, R)) & has[..., None])
+        up = torch.where(has, up.gather(1, at), up)
     return anc
+
+
+TREE_BITS_MAX = 63  # the most region nodes `tree_bits` encodes (bits of an int64)
+
+
+def tree_bits(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [B, T] int64 -> bits, depth [B, T]
+    """Each node's ancestor bit set (bit j set: region node j is the node or one of its ancestors) and its depth
+    (0 under the prefix), by pointer jumping: after round r a node holds its ancestors closer than 2**r and points
+    at the 2**r-th one. Static shapes and no host read: the graph path runs it inside its captured forward."""
+    B, T = parents.shape
+    assert T <= TREE_BITS_MAX, f"a tree region of {T} nodes; the bit sets hold at most {TREE_BITS_MAX}"
+    node = torch.arange(T, device=parents.device)
+    bits = (torch.ones_like(parents) << node[None, :]).contiguous()  # [B, T] the node itself
+    up = parents.clone()  # the 2**r-th ancestor, -1 past the prefix
+    depth = (parents >= 0).to(torch.int64)  # steps from the node to `up` (or to the prefix)
+    for _ in range(max(T - 1, 0).bit_length()):  # 2**rounds > the deepest node's depth
+        has = up >= 0
+        at = up.clamp_min(0)
+        bits = torch.where(has, bits | bits.gather(1, at), bits)
+        depth = torch.where(has, depth + depth.gather(1, at), depth)
+        up = torch.where(has, up.gather(1, at), up)
+    return bits, depth
 
 
 def tree_rope_and_mask(
