@@ -10,6 +10,10 @@ ordinary rows/columns here (every query row sees at least its own position).
 
 With `softcap` (Gemma 2), the logits `scale * q.k` become `softcap * tanh(scale * q.k / softcap)` before the mask.
 
+With `tree` (`TreeInputs`: RoPE positions and ancestor bit sets, `pipeline.models.tree_attention.tree_bits`), the T
+fed tokens are the nodes of a token tree whose region starts at `pos[b, 0]`: a query sees the keys before the region
+and, inside it, only its own path; its window is measured from its RoPE position.
+
 Two implementations of one signature, `(q, k_cache, v_cache, slots, pos, S, scale, window=None, ..., sinks=0,
 softcap=None) -> [B, Hkv, G*T, D]`:
 
@@ -39,6 +43,8 @@ import torch.nn.functional as F
 from pipeline.models.llama import soft_cap
 
 ATTENTION_KINDS = ("auto", "triton", "sdpa")
+# A token tree's (RoPE positions [B, T] int64, ancestor bit sets [B, T] int64), both laid out as `pos`
+TreeInputs = tuple[torch.Tensor, torch.Tensor]
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,13 +72,22 @@ def resolve_attention(kind: str, device: torch.device) -> str:
 
 
 def sdpa_mask(pos: torch.Tensor, S: int, G: int, window: int | None, dtype: torch.dtype,
-              sinks: int = 0) -> torch.Tensor:
+              sinks: int = 0, tree: TreeInputs | None = None) -> torch.Tensor:
     """Additive mask [B, 1, G*T, S] (0 = attend, dtype's min = hidden) for the stacked query rows g*T + t."""
     B, T = pos.shape
     key_pos = torch.arange(S, device=pos.device)
     allowed = key_pos[None, None, :] <= pos[:, :, None]  # [B, T, S]
+    win_from = pos
+    if tree is not None:  # the region's keys on the node's own path only (`TreeInputs`)
+        win_from, bits = tree
+        rel = key_pos[None, :] - pos[:, :1]  # [B, S] region index of each key
+        on_path = ((bits[:, :, None] >> rel.clamp(0, 63)[:, None, :]) & 1) != 0  # [B, T, S]
+        allowed &= (rel < 0)[:, None, :] | on_path
     if window is not None:
-        allowed &= (key_pos[None, None, :] > pos[:, :, None] - window) | (key_pos[None, None, :] < sinks)
+        in_window = (key_pos[None, None, :] > win_from[:, :, None] - window) | (key_pos[None, None, :] < sinks)
+        if tree is not None:  # region keys lie within T of the node: inside any window >= T
+            in_window |= (rel >= 0)[:, None, :]
+        allowed &= in_window
     mask = torch.zeros(B, T, S, dtype=dtype, device=pos.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[:, None, None].expand(B, 1, G, T, S).reshape(B, 1, G * T, S)
@@ -90,9 +105,10 @@ def sdpa_slot_attention(
     mask: torch.Tensor | None = None,  # sdpa_mask(...), when the caller shares one across layers
     sinks: int = 0,  # with a window: the first `sinks` positions stay visible too (StreamingLLM)
     softcap: float | None = None,  # logits -> softcap * tanh(logits / softcap) before the mask (Gemma 2)
+    tree: TreeInputs | None = None,  # the fed tokens are a token tree
 ) -> torch.Tensor:  # [B, Hkv, G*T, D]
     if mask is None:
-        mask = sdpa_mask(pos, S, q.shape[2] // pos.shape[1], window, q.dtype, sinks)
+        mask = sdpa_mask(pos, S, q.shape[2] // pos.shape[1], window, q.dtype, sinks, tree)
     keys = k_cache[:, :, :S].index_select(0, slots)  # [B, Hkv, S, D]
     values = v_cache[:, :, :S].index_select(0, slots)
     if softcap is None:
@@ -173,6 +189,7 @@ def triton_slot_attention(
     use_pdl: bool = False,  # launch with programmatic dependent launch (pipeline.models.pdl)
     sinks: int = 0,  # with a window: the first `sinks` positions stay visible too (StreamingLLM)
     softcap: float | None = None,  # logits -> softcap * tanh(logits / softcap) before the mask (Gemma 2)
+    tree: TreeInputs | None = None,  # the fed tokens are a token tree
 ) -> torch.Tensor:  # [B, Hkv, G*T, D], q's dtype
     from pipeline.models import decode_attention_triton as kern
     from pipeline.models.pdl import launch_kwargs
@@ -189,6 +206,10 @@ def triton_slot_attention(
         raise RuntimeError("triton_slot_attention on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
                            "before triton is first imported")
 
+    if tree is not None:
+        assert all(t.shape == pos.shape and t.stride() == pos.stride() for t in tree), "tree inputs laid out as pos"
+        assert window is None or window >= T, f"a token tree of {T} nodes under a sliding window of {window}"
+    rope_pos, bits = tree if tree is not None else (pos, pos)  # unread without a tree
     plan = launch_plan(B, Hkv, M, D, S, q.device, num_splits, block_n)
     BLOCK_D, BLOCK_M, BLOCK_N, m_blocks = plan["BLOCK_D"], plan["BLOCK_M"], plan["BLOCK_N"], plan["m_blocks"]
     num_splits, min_chunk = plan["num_splits"], plan["min_chunk"]
@@ -205,13 +226,14 @@ def triton_slot_attention(
         part_l = torch.empty_like(part_m)
     launch: dict[str, Any] = {"num_warps": warps, "num_stages": stages, **launch_kwargs(use_pdl)}
     kern.slot_attention_split[(num_splits, B * Hkv, m_blocks)](
-        q, k_cache, v_cache, slots, pos, out, part_acc, part_m, part_l,
+        q, k_cache, v_cache, slots, pos, rope_pos, bits, out, part_acc, part_m, part_l,
         M, T, S, min_chunk, num_splits, scale / softcap if softcap else scale * math.log2(math.e), window or 0,
         sinks if window else 0, softcap * math.log2(math.e) if softcap else 0.0,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *pos.stride(), *out.stride(),
         HKV=Hkv, HEAD_D=D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HAS_WINDOW=window is not None,
         SINGLE=single, DOT_PRECISION=_DOT_PRECISION_F32 if q.dtype == torch.float32 else "tf32",
         DOT_IN_F32=q.dtype == torch.bfloat16 and kern.interpreted(), USE_PDL=use_pdl, SOFTCAP=bool(softcap),
+        TREE=tree is not None,
         **launch,
     )
     if not single:
@@ -226,8 +248,11 @@ def triton_slot_attention(
 def slot_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
     S: int, scale: float, window: int | None = None, kind: str = "auto", sinks: int = 0, softcap: float | None = None,
+    tree: TreeInputs | None = None,
 ) -> torch.Tensor:  # [B, Hkv, G*T, D]
     """Dispatch on `kind` ('auto': Triton on CUDA when it imports, else the reference)."""
     if resolve_attention(kind, q.device) == "triton":
-        return triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, window, sinks=sinks, softcap=softcap)
-    return sdpa_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, window, sinks=sinks, softcap=softcap)
+        return triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, window, sinks=sinks, softcap=softcap,
+                                     tree=tree)
+    return sdpa_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, window, sinks=sinks, softcap=softcap,
+                               tree=tree)

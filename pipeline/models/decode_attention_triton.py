@@ -20,6 +20,11 @@ reads the sink keys below that start. A query row whose chunk holds no visible k
 denominator 0; the combine gives such a split weight 0. Every real query row sees at least its own position, so
 its total is > 0.
 
+Token trees (TREE): the call's T fed tokens are the nodes of a tree region starting at the row's first fed
+position (`pipeline.models.tree_attention`). A query sees every key before the region and, inside it, the nodes
+whose bits its ancestor set (TBITS, int64 per fed token) holds; its sliding window is measured from its RoPE
+position (QROPE: region start + depth), and region keys, all within T of it, are inside any window >= T.
+
 With TRITON_INTERPRET=1 in the environment before triton is first imported, the kernels run in Triton's CPU
 interpreter on CPU tensors (the tests); the mode holds for the whole process.
 """
@@ -43,12 +48,13 @@ def _tanh(x):
 
 
 @triton.jit
-def _attend_keys(q, k_base, v_base, start, hi, qpos, m_i, l_i, acc, scale_log2, window, sinks, cap_log2, offs_n0,
-                 offs_d, d_valid, s_kl, s_kd, s_vl, s_vd, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 DOT_IN_F32: tl.constexpr, SOFTCAP: tl.constexpr):
+def _attend_keys(q, k_base, v_base, start, hi, qpos, qwin, tbits, base, m_i, l_i, acc, scale_log2, window, sinks,
+                 cap_log2, offs_n0, offs_d, d_valid, s_kl, s_kd, s_vl, s_vd, HAS_WINDOW: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, DOT_IN_F32: tl.constexpr, SOFTCAP: tl.constexpr, TREE: tl.constexpr):
     """One block of keys [start, start + BLOCK_N) below `hi` into the online softmax -> (m_i, l_i, acc). With
     SOFTCAP the logits are cap * tanh(scale * q.k / cap) before the mask (scale_log2 = scale / cap, cap_log2 =
-    cap * log2(e)); otherwise scale * q.k (scale_log2 = scale * log2(e))."""
+    cap * log2(e)); otherwise scale * q.k (scale_log2 = scale * log2(e)). qwin: the positions windows are measured
+    from (qpos, or the RoPE positions of a tree's nodes); TREE: tbits and base as in the module docstring."""
     offs_n = start + offs_n0
     n_valid = offs_n < hi
     kt = tl.load(k_base + offs_n[None, :] * s_kl + offs_d[:, None] * s_kd,
@@ -61,8 +67,16 @@ def _attend_keys(q, k_base, v_base, start, hi, qpos, m_i, l_i, acc, scale_log2, 
     else:
         s = s * scale_log2
     allowed = (offs_n[None, :] <= qpos[:, None]) & n_valid[None, :]
+    if TREE:  # inside the region, the node's own path only
+        rel = offs_n - base  # [BLOCK_N] region index of each key
+        in_region = rel >= 0
+        on_path = ((tbits[:, None] >> tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)[None, :]) & 1) != 0
+        allowed = allowed & (~in_region[None, :] | on_path)
     if HAS_WINDOW:  # the window, and the sinks below it (StreamingLLM; sinks = 0 for a model's own window)
-        allowed = allowed & ((offs_n[None, :] > qpos[:, None] - window) | (offs_n[None, :] < sinks))
+        in_window = (offs_n[None, :] > qwin[:, None] - window) | (offs_n[None, :] < sinks)
+        if TREE:
+            in_window = in_window | in_region[None, :]
+        allowed = allowed & in_window
     s = tl.where(allowed, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet: no NaN
@@ -80,7 +94,7 @@ def _attend_keys(q, k_base, v_base, start, hi, qpos, m_i, l_i, acc, scale_log2, 
 
 @triton.jit
 def slot_attention_split(
-    Q, K, V, SLOTS, POS, OUT, PART_ACC, PART_M, PART_L,
+    Q, K, V, SLOTS, POS, QROPE, TBITS, OUT, PART_ACC, PART_M, PART_L,
     M, T, S, MIN_CHUNK, NUM_SPLITS, scale_log2, window, sinks, cap_log2,
     s_qb, s_qh, s_qm, s_qd,
     s_kn, s_kh, s_kl, s_kd,
@@ -98,6 +112,7 @@ def slot_attention_split(
     DOT_IN_F32: tl.constexpr,  # interpreter + bf16 only: Triton 3.6's interpreter multiplies bf16 as raw bits
     USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (pipeline.models.pdl)
     SOFTCAP: tl.constexpr = False,  # logits soft-capped (cap_log2; `_attend_keys`)
+    TREE: tl.constexpr = False,  # the fed tokens are a token tree (QROPE, TBITS [B, T] with POS's strides)
 ):
     split = tl.program_id(0)
     bh = tl.program_id(1)
@@ -114,6 +129,12 @@ def slot_attention_split(
     # Positions and slots are read before the PDL wait: the step writes them before its first layer, and with
     # PDL every kernel but the one just before has finished when a kernel starts (each triggers after its wait).
     qpos = tl.load(POS + b * s_pb + (offs_m % T) * s_pt, mask=m_valid, other=-1).to(tl.int32)
+    if TREE:
+        qwin = tl.load(QROPE + b * s_pb + (offs_m % T) * s_pt, mask=m_valid, other=-1).to(tl.int32)
+        tbits = tl.load(TBITS + b * s_pb + (offs_m % T) * s_pt, mask=m_valid, other=0).to(tl.int64)
+        base = tl.load(POS + b * s_pb).to(tl.int32)  # the region's first node: the row's first fed token
+    else:
+        qwin, tbits, base = qpos, qpos, 0
     n_keys = tl.minimum(tl.max(qpos, axis=0) + 1, S)  # no key past the block's last query position
     chunk = _chunk(n_keys, NUM_SPLITS, MIN_CHUNK, BLOCK_N)
     lo = split * chunk
@@ -135,17 +156,18 @@ def slot_attention_split(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if HAS_WINDOW:
-        first = tl.min(tl.where(m_valid, qpos, 2147483647), axis=0) - window + 1
+        first = tl.min(tl.where(m_valid, qwin, 2147483647), axis=0) - window + 1
         if split == 0:  # the sink keys below the window, [0, min(sinks, first)): visible to every query row
             for start in range(0, tl.minimum(sinks, first), BLOCK_N):
-                m_i, l_i, acc = _attend_keys(q, k_base, v_base, start, tl.minimum(sinks, first), qpos, m_i, l_i, acc,
-                                             scale_log2, window, sinks, cap_log2, offs_n0, offs_d, d_valid, s_kl,
-                                             s_kd, s_vl, s_vd, HAS_WINDOW, DOT_PRECISION, DOT_IN_F32, SOFTCAP)
+                m_i, l_i, acc = _attend_keys(q, k_base, v_base, start, tl.minimum(sinks, first), qpos, qwin, tbits,
+                                             base, m_i, l_i, acc, scale_log2, window, sinks, cap_log2, offs_n0, offs_d,
+                                             d_valid, s_kl, s_kd, s_vl, s_vd, HAS_WINDOW, DOT_PRECISION, DOT_IN_F32,
+                                             SOFTCAP, TREE)
         lo = tl.maximum(lo, first)
     for start in range(lo, hi, BLOCK_N):
-        m_i, l_i, acc = _attend_keys(q, k_base, v_base, start, hi, qpos, m_i, l_i, acc, scale_log2, window, sinks,
-                                     cap_log2, offs_n0, offs_d, d_valid, s_kl, s_kd, s_vl, s_vd, HAS_WINDOW,
-                                     DOT_PRECISION, DOT_IN_F32, SOFTCAP)
+        m_i, l_i, acc = _attend_keys(q, k_base, v_base, start, hi, qpos, qwin, tbits, base, m_i, l_i, acc,
+                                     scale_log2, window, sinks, cap_log2, offs_n0, offs_d, d_valid, s_kl, s_kd, s_vl,
+                                     s_vd, HAS_WINDOW, DOT_PRECISION, DOT_IN_F32, SOFTCAP, TREE)
 
     if SINGLE:
         y = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]

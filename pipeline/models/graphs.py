@@ -24,6 +24,14 @@ Static shapes, step by step:
   split-KV Triton kernel that reads each row's slot in place and stops at the row's last visible key
   ('triton'); otherwise the row slots are gathered (`index_select`) and fed to masked SDPA ('sdpa').
 
+Token trees (`forward(..., tree=)`, a whole tree region per call: `TreeMask.first` = 0): the parents go into a static
+buffer like the other inputs; inside the graph, `tree_bits` turns them into each node's ancestor bit set and depth
+(pointer jumping, no host read), the nodes rotate by their depth (RoPE position = region start + depth) and are
+written at their own cache indices, and the attention (Triton or SDPA) lets each node see the prefix and its own
+path. A tree call has graphs of its own; `compact` (the accepted path's cache entries moved after verification) is
+the runner's, one gather and one scatter over every layer. Other tree calls (a draft model feeding a tree level by
+level) run on the eager runner.
+
 Families: what a family changes in the layer (`families.Family`) is read per layer inside the step: each layer's
 sliding window and RoPE table (Gemma's alternating sliding and global layers, Gemma 3's local RoPE base), the
 attention scale and logit soft-cap, (1 + weight) norms, norms after attention and the MLP, GeGLU, scaled embeddings
@@ -54,6 +62,7 @@ from pipeline.models.families import ACTIVATIONS
 from pipeline.models.llama import FINAL_NORMED, LlamaArgs, LlamaCausalLM, rms_norm, soft_cap
 from pipeline.models.rope_write import cache_rows, rope_split, triton_rope_write
 from pipeline.models.skinny_linear import linear, resolve_linear
+from pipeline.models.tree_attention import TREE_BITS_MAX, TreeMask, tree_bits
 
 log = logging.getLogger(__name__)
 _fallback_warned: set[str] = set()
@@ -62,7 +71,8 @@ _fallback_warned: set[str] = set()
 @dataclass(frozen=True)
 class GraphConfig:
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
-    token_buckets: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8, 12, 16)  # T = K+1 of a verify call
+    token_buckets: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32)  # T = K+1 of a verify call (a tree:
+    # nodes + 1)
     kv_block: int = 256  # keys are read in multiples of this many positions
     graphs: bool | None = None  # capture CUDA graphs; None: when the model is on a CUDA device
     compile: bool | None = None  # torch.compile the per-layer pointwise work; None: when on CUDA
@@ -311,7 +321,7 @@ class GraphCausalLM:
         self.use_pdl = (pdl.enabled(self.device) if cfg.pdl is None else cfg.pdl) and self.attention == "triton"
         self.stats = GraphStats()
         self._scale = runner.args.attn_scale or 1.0 / math.sqrt(runner.args.head_dim)  # attention logits' scale
-        self._graphs: dict[tuple[int, int, int], _Graph] = {}
+        self._graphs: dict[tuple, _Graph] = {}  # (Bb, Tb, Sb) [+ stream window, layers, "tree"] -> its graph
         self._pool = None
         m = runner.model
         self._layers = []
@@ -385,6 +395,7 @@ class GraphCausalLM:
 
     def allocate(self, num_slots: int, max_len: int) -> None:
         self._graphs.clear()  # captured graphs point at the old cache
+        self._pool = None  # and a fresh memory pool for the new ones (the old one may still hold their outputs)
         self._outs.clear()
         self.runner.allocate(num_slots + 1, max_len)
         Bmax, Tmax = self.config.batch_buckets[-1], self.config.token_buckets[-1]
@@ -397,6 +408,8 @@ class GraphCausalLM:
         self._host_bufs = _input_views(self._host_inputs, Bmax, Tmax)
         for _, _, slot_view in (self._bufs, self._host_bufs):
             slot_view.fill_(num_slots)
+        # A tree call's parents (region index, -1: the prefix)
+        self._parents = torch.full((Bmax, Tmax), -1, dtype=torch.int64, device=self.device)
         self._arange = torch.arange(max(max_len, Tmax), device=self.device)
 
     def cache_bytes(self) -> int:
@@ -410,6 +423,7 @@ class GraphCausalLM:
         slots: torch.Tensor,  # [B] int64 distinct slots < num_slots
         logits_from: int = 0,
         stream: tuple[int, int] | None = None,  # (window, sinks): StreamingLLM attention (pipeline.models.llama)
+        tree: TreeMask | None = None,  # the fed tokens are a token tree's nodes (pipeline.models.tree_attention)
     ) -> torch.Tensor:  # [B, T - logits_from, V] float32
         assert self._bufs is not None, "call allocate(num_slots, max_len) before forward"
         assert stream is None or self.args.sliding_window is None, "a streaming window on a sliding-window model"
@@ -418,47 +432,51 @@ class GraphCausalLM:
         if positions.device.type != "cpu":
             self.stats.host_syncs += 1
         max_pos = int(positions.max())  # free on CPU; the deliberate sync otherwise
-        shape = self.shape_for(B, T, max_pos)
+        shape = self.shape_for(B, T, max_pos) if self._tree_fits(tree, stream) else None
         if shape is None:
             self.stats.eager_calls += 1
-            return self.runner.forward(tokens, positions, slots, logits_from, stream=stream)
+            return self.runner.forward(tokens, positions, slots, logits_from, stream=stream,
+                                       **({"tree": tree} if tree is not None else {}))
         Bb, Tb, Sb = shape
         tok_buf, pos_buf, slot_buf = self._bufs
-        self._set_inputs(tokens, positions, slots, Bb, Tb)
+        self._set_inputs(tokens, positions, slots, Bb, Tb, tree)
         key = shape if stream is None else (*shape, *stream)  # a streaming window's graphs are its own
+        key = key if tree is None else (*key, "tree")  # and a tree's
         entry = self._graphs.get(key)
         if entry is None:
-            entry = self._graphs[key] = self._capture_or_fall_back(shape, stream)
+            entry = self._graphs[key] = self._capture_or_fall_back(shape, stream, tree=tree is not None)
         elif entry.graph is not None:
             entry.graph.replay()
         else:
-            self._static_forward(tok_buf[:Bb, :Tb], pos_buf[:Bb], slot_buf[:Bb], Sb, entry.logits, stream)
+            self._static_forward(tok_buf[:Bb, :Tb], pos_buf[:Bb], slot_buf[:Bb], Sb, entry.logits, stream,
+                                 tree is not None)
         self.stats.graph_calls += 1
         self.stats.shapes[shape] = self.stats.shapes.get(shape, 0) + 1
         return self._result(entry.logits[:B, logits_from:T])
 
     def forward_features(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                         layers: tuple[int, ...], logits_from: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                         layers: tuple[int, ...], logits_from: int = 0,
+                         tree: TreeMask | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`LlamaCausalLM.forward_features`: a decode or verify call where `forward_static` runs takes its kernels
         (uncaptured: the captured graphs return logits only), so the step path and the device loop compute a
         head's features alike; anything else runs on the eager runner (the same cache)."""
         B, T = tokens.shape
         host_rows = positions.device.type == "cpu" and slots.device.type == "cpu"
-        shape = self.shape_for(B, T, int(positions.max())) if host_rows else None
+        shape = self.shape_for(B, T, int(positions.max())) if host_rows and self._tree_fits(tree) else None
         if shape is not None:
             # Host rows (the engine's step path, a target worker): a graph per shape and layers, as `forward`'s
             Bb, Tb, Sb = shape
-            self._set_inputs(tokens, positions, slots, Bb, Tb)
-            key = (*shape, layers)
+            self._set_inputs(tokens, positions, slots, Bb, Tb, tree)
+            key = (*shape, layers) if tree is None else (*shape, layers, "tree")
             entry = self._graphs.get(key)
             if entry is None:
-                entry = self._graphs[key] = self._capture_or_fall_back(shape, layers=layers)
+                entry = self._graphs[key] = self._capture_or_fall_back(shape, layers=layers, tree=tree is not None)
             elif entry.graph is not None:
                 entry.graph.replay()
             else:  # static shapes, not captured (CPU)
                 tok_buf, pos_buf, slot_buf = self._bufs
-                self._capture_taps((tok_buf[:Bb, :Tb], pos_buf[:Bb], slot_buf[:Bb], Sb, entry.logits, None),
-                                   entry.logits, entry.features, layers)
+                self._capture_taps((tok_buf[:Bb, :Tb], pos_buf[:Bb], slot_buf[:Bb], Sb, entry.logits, None,
+                                    tree is not None), entry.logits, entry.features, layers)
             self.stats.graph_calls += 1
             self.stats.shapes[shape] = self.stats.shapes.get(shape, 0) + 1
             return entry.logits[:B, logits_from:T].clone(), entry.features[:B, :T].clone()
@@ -467,7 +485,19 @@ class GraphCausalLM:
             logits, feats = self.forward_static_features(tokens.to(dev), positions.to(dev), slots.to(dev), layers)
             return logits.clone(), feats.clone()
         self.stats.eager_calls += 1
-        return self.runner.forward_features(tokens, positions, slots, layers, logits_from)
+        return self.runner.forward_features(tokens, positions, slots, layers, logits_from,
+                                            **({"tree": tree} if tree is not None else {}))
+
+    supports_tree = True  # `forward(..., tree=)`, `forward_features(..., tree=)` and `compact`
+
+    def _tree_fits(self, tree: TreeMask | None, stream: tuple[int, int] | None = None) -> bool:
+        """Whether a call with `tree` may take the static path: no tree, or a whole region (first = 0) of at most
+        TREE_BITS_MAX nodes without a streaming window; anything else is the eager runner's."""
+        return tree is None or (tree.first == 0 and stream is None and tree.parents.shape[1] <= TREE_BITS_MAX)
+
+    def compact(self, slots: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """`LlamaCausalLM.compact` on the runner's cache (one gather and one scatter over every layer)."""
+        self.runner.compact(slots, src, dst)
 
     def device_resident(self) -> bool:
         """Whether `forward_static` may run: a forward whose positions stay on the device with no host read (the
@@ -519,7 +549,8 @@ class GraphCausalLM:
         The tensor-parallel wrapper gathers from the view instead, which copies anyway."""
         return logits.clone()
 
-    def _set_inputs(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, Bb: int, Tb: int) -> None:
+    def _set_inputs(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, Bb: int, Tb: int,
+                    tree: TreeMask | None = None) -> None:
         """The graph inputs of a call padded to (Bb, Tb): padding tokens and positions 0, padding rows in the
         scratch slot. Host positions and slots (the engine's and the draft model's) are written into the host
         mirror and sent in one copy, with the tokens when those are on the host too (otherwise the tokens are one
@@ -539,6 +570,9 @@ class GraphCausalLM:
         if host_rows:
             start = 0 if host_tokens else self._bufs[0].numel()  # the block: tokens, then positions and slots
             self._inputs[start:].copy_(self._host_inputs[start:], non_blocking=True)
+        if tree is not None:  # padding nodes and rows hang under the prefix
+            self._parents[:Bb, :Tb].fill_(-1)
+            self._parents[:B, :T].copy_(tree.parents, non_blocking=True)
 
     __call__ = forward
     supports_stream = True  # `forward(..., stream=(window, sinks))`, captured per window
@@ -579,11 +613,11 @@ class GraphCausalLM:
 
     # -- capture -------------------------------------------------------------------------------------------
     def _capture_or_fall_back(self, shape: tuple[int, int, int], stream: tuple[int, int] | None = None,
-                              layers: tuple[int, ...] = ()) -> _Graph:
+                              layers: tuple[int, ...] = (), tree: bool = False) -> _Graph:
         """`_capture`; with attention 'auto', a Triton kernel that fails to build or run (in the warm-up, before
         any capture) switches this runner to the SDPA attention, said once, instead of failing the request."""
         try:
-            return self._capture(shape, stream, layers)
+            return self._capture(shape, stream, layers, tree)
         except Exception:
             if self.config.attention != "auto" or self.attention != "triton":
                 raise
@@ -592,19 +626,20 @@ class GraphCausalLM:
             self.attention = "sdpa"
             self.linear_kind = "torch" if self.config.linear == "auto" else self.linear_kind
             self.fused_layer = self.use_pdl = False
-            return self._capture(shape, stream, layers)
+            return self._capture(shape, stream, layers, tree)
 
     def _capture(self, shape: tuple[int, int, int], stream: tuple[int, int] | None = None,
-                 layers: tuple[int, ...] = ()) -> _Graph:
+                 layers: tuple[int, ...] = (), tree: bool = False) -> _Graph:
         """Run the shape once (its result is this call's answer) and, on CUDA, capture it for replays. With
-        `layers`, the graph also writes the states entering those layers (`_tap`) into its own buffer."""
+        `layers`, the graph also writes the states entering those layers (`_tap`) into its own buffer; with `tree`,
+        it reads the parents buffer (a token tree's call)."""
         Bb, Tb, Sb = shape
         tok_buf, pos_buf, slot_buf = self._bufs
         out = self._outs.get((Bb, Tb))
         if out is None:
             vocab = self.runner.model.output.weight.shape[0]
             out = self._outs[(Bb, Tb)] = torch.empty(Bb, Tb, vocab, device=self.device)
-        args = (tok_buf[:Bb, :Tb], pos_buf[:Bb], slot_buf[:Bb], Sb, out, stream)
+        args = (tok_buf[:Bb, :Tb], pos_buf[:Bb], slot_buf[:Bb], Sb, out, stream, tree)
         feats = None
         if layers:
             feats = torch.empty(Bb, Tb, len(layers) * self.args.dim, device=self.device, dtype=self.dtype)
@@ -652,26 +687,28 @@ class GraphCausalLM:
         S: int,  # keys read per row
         out: torch.Tensor,  # [B, T, V] float32, written
         stream: tuple[int, int] | None = None,  # (window, sinks): StreamingLLM attention
+        tree: bool = False,  # the fed tokens are a token tree's nodes (parents in `_parents[:B, :T]`)
     ) -> None:
         a = self.args
         B, T = tokens.shape
         window, sinks = stream or (a.sliding_window, 0)
+        pos, tree_in = self._positions(positions, T, tree)
+        rope_pos = pos if tree_in is None else tree_in[0]
         if self.fused_layer and B * T <= fl.LAYER_MAX_ROWS and (self.config.fused_layer or self._fp8 or B == 1
                                                                  or self.fused_all_rows):
             self.stats.fused_runs += 1
-            return self._fused_forward(tokens, positions, slots, S, out, stream)
+            return self._fused_forward(tokens, pos, tree_in, slots, S, out, stream)
         Hkv, D, L = a.n_kv_heads, a.head_dim, self.max_len
         G = a.n_heads // Hkv
         lk = self.linear_kind
         r, off = self.runner, a.family.unit_offset_norm
-        pos = positions[:, None] + self._arange[:T]  # [B, T]
         scale = self._scale
         triton = self.attention == "triton"
         fused_rope = triton if self.config.fused_rope is None else self.config.fused_rope
         if not fused_rope:
-            ropes = {False: (r._cos[pos].unsqueeze(2), r._sin[pos].unsqueeze(2))}  # cos, sin [B, T, 1, D]
+            ropes = {False: (r._cos[rope_pos].unsqueeze(2), r._sin[rope_pos].unsqueeze(2))}  # cos, sin [B, T, 1, D]
             if r.local_inv_freq is not None:  # the sliding layers' own base (Gemma 3)
-                ropes[True] = (r._local_cos[pos].unsqueeze(2), r._local_sin[pos].unsqueeze(2))
+                ropes[True] = (r._local_cos[rope_pos].unsqueeze(2), r._local_sin[rope_pos].unsqueeze(2))
             rows = cache_rows(slots, pos, Hkv, L)  # [B * T * Hkv], in k/v order
         masks: dict[int | None, torch.Tensor] = {}  # window -> [B, 1, G*T, S] (SDPA), shared by the layers
 
@@ -683,7 +720,8 @@ class GraphCausalLM:
                 qkv = self._qkv_proj(x, w.attn_norm, w.wqkv, w.bqkv, a.norm_eps, lk, off)
                 cos_t, sin_t = (r._local_cos, r._local_sin) if w.local_rope else (r._cos, r._sin)
                 q = triton_rope_write(qkv, cos_t, sin_t, pos, slots, k_cache, v_cache, a.n_heads,
-                                      q_norm=w.q_norm, k_norm=w.k_norm, eps=a.norm_eps, norm_offset=off)
+                                      q_norm=w.q_norm, k_norm=w.k_norm, eps=a.norm_eps, norm_offset=off,
+                                      rope_pos=rope_pos)
             else:
                 cos, sin = ropes[w.local_rope]
                 q, k, v = self._attn_in(x, w.attn_norm, w.wqkv, w.bqkv, cos, sin, a.norm_eps, a.n_heads, Hkv, lk,
@@ -692,10 +730,10 @@ class GraphCausalLM:
                 v_cache.view(-1, D).index_copy_(0, rows, v)
             if triton:
                 y = triton_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, win, sinks=sinks,
-                                          softcap=a.attn_softcap)
+                                          softcap=a.attn_softcap, tree=tree_in)
             else:
                 if win not in masks:
-                    masks[win] = sdpa_mask(pos, S, G, win, self.dtype, sinks)
+                    masks[win] = sdpa_mask(pos, S, G, win, self.dtype, sinks, tree_in)
                 y = sdpa_slot_attention(q, k_cache, v_cache, slots, pos, S, scale, win, masks[win],
                                         softcap=a.attn_softcap)
             x = self._attn_out_mlp(x, y, w.wo, w.bo, w.ffn_norm, w.w13, w.b13, w.w2, w.b2, a.norm_eps, lk,
@@ -704,7 +742,16 @@ class GraphCausalLM:
         m = r.model
         out.copy_(self._final_logits(x, m.norm.weight, m.output.weight, a.norm_eps, lk, off, a.final_softcap))
 
-    def _fused_forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, S: int,
+    def _positions(self, positions: torch.Tensor, T: int, tree: bool) -> tuple[torch.Tensor, Any]:
+        """The fed tokens' cache indices [B, T], and a tree call's `TreeInputs` (RoPE positions by depth, ancestor
+        bit sets) from the parents buffer (None without a tree)."""
+        pos = positions[:, None] + self._arange[:T]  # [B, T]
+        if not tree:
+            return pos, None
+        bits, depth = tree_bits(self._parents[:positions.shape[0], :T])
+        return pos, (positions[:, None] + depth, bits)
+
+    def _fused_forward(self, tokens: torch.Tensor, pos: torch.Tensor, tree_in: Any, slots: torch.Tensor, S: int,
                        out: torch.Tensor, stream: tuple[int, int] | None = None) -> None:
         """`_static_forward` as the fused layer (pipeline.models.fused_linear): seven Triton kernels a layer,
         chained with programmatic dependent launch where available; the residual stream is updated in place.
@@ -717,7 +764,7 @@ class GraphCausalLM:
         tp = self._tp_sites
         window, sinks = stream or (a.sliding_window, 0)
         off = a.family.unit_offset_norm
-        pos = positions[:, None] + self._arange[:T]  # [B, T]
+        rope_pos = pos if tree_in is None else tree_in[0]
         x = r.model.embed(tokens).view(B * T, -1)  # [B*T, C], a fresh tensor: updated in place
 
         def add_to_x(site: int) -> dict:  # x += this linear's result (TP: pushed as `site`'s partial, see below)
@@ -732,10 +779,11 @@ class GraphCausalLM:
                                   norm_offset=off, **kw)
             cos_t, sin_t = (r._local_cos, r._local_sin) if w.local_rope else (r._cos, r._sin)
             q = triton_rope_write(qkv.view(B, T, -1), cos_t, sin_t, pos, slots, k_cache, v_cache, a.n_heads,
-                                  use_pdl=p, q_norm=w.q_norm, k_norm=w.k_norm, eps=eps, norm_offset=off)
+                                  use_pdl=p, q_norm=w.q_norm, k_norm=w.k_norm, eps=eps, norm_offset=off,
+                                  rope_pos=rope_pos)
             y = triton_slot_attention(q, k_cache, v_cache, slots, pos, S, self._scale,
                                       window if stream is not None else w.window, use_pdl=p, sinks=sinks,
-                                      softcap=a.attn_softcap)
+                                      softcap=a.attn_softcap, tree=tree_in)
             wo, s_o = mat("wo")
             if w.post_attn_norm is None:
                 fl.fused_linear_heads(y, T, wo, w.bo, use_pdl=p, w_scale=s_o, **add_to_x(2 * i), **kw)

@@ -3,7 +3,8 @@
 Input: the fused q/k/v projection `qkv [B, T, (H + 2 Hkv) D]` of B rows of T tokens at positions `pos [B, T]`,
 row b owning cache slot `slots[b]`. Output: the rotated queries stacked per KV head, `q [B, Hkv, G*T, D]`
 (query index g*T + t, as `decode_attention` takes them); the rotated keys and the values are written into
-`k_cache`/`v_cache [num_slots, Hkv, max_len, D]` at `[slots[b], :, pos[b, t]]`.
+`k_cache`/`v_cache [num_slots, Hkv, max_len, D]` at `[slots[b], :, pos[b, t]]`. A token tree's nodes rotate by
+their own RoPE positions (`rope_pos`: region start + depth) and are written at their cache indices `pos`.
 
 - `torch_rope_write`: the reference (split, `apply_rope`, permute, two `index_copy_`).
 - `triton_rope_write`: one Triton launch (`rope_write_triton`), float32 math and one rounding (as
@@ -64,9 +65,11 @@ def torch_rope_write(
     k_norm: torch.Tensor | None = None,
     eps: float = 0.0,
     norm_offset: bool = False,  # the q/k norms scale by (1 + weight) (Gemma 3)
+    rope_pos: torch.Tensor | None = None,  # [B, T] int64 RoPE positions where they differ from `pos` (a token tree)
 ) -> torch.Tensor:  # [B, Hkv, G*T, D]
     _, Hkv, L, D = k_cache.shape
-    q, k, v = rope_split(qkv, cos_table[pos].unsqueeze(2), sin_table[pos].unsqueeze(2), n_heads, Hkv, q_norm, k_norm,
+    rp = pos if rope_pos is None else rope_pos
+    q, k, v = rope_split(qkv, cos_table[rp].unsqueeze(2), sin_table[rp].unsqueeze(2), n_heads, Hkv, q_norm, k_norm,
                          eps, norm_offset)
     rows = cache_rows(slots, pos, Hkv, L)
     k_cache.view(-1, D).index_copy_(0, rows, k)
@@ -78,7 +81,7 @@ def triton_rope_write(
     qkv: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, use_pdl: bool = False,
     q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None, eps: float = 0.0,
-    norm_offset: bool = False,
+    norm_offset: bool = False, rope_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [B, Hkv, G*T, D]; torch_rope_write's signature (use_pdl: pipeline.models.pdl; q/k norms: Qwen3,
     # Gemma 3)
     from pipeline.models import rope_write_triton as kern
@@ -93,12 +96,14 @@ def triton_rope_write(
     if qkv.device.type != "cuda" and not kern.interpreted():
         raise RuntimeError("triton_rope_write on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
                            "before triton is first imported")
+    rope_pos = pos if rope_pos is None else rope_pos
+    assert rope_pos.shape == pos.shape and rope_pos.stride() == pos.stride(), "rope_pos must be laid out as pos"
     qkv2 = qkv.reshape(B * T, width)
     q = torch.empty(B, Hkv, (n_heads // Hkv) * T, D, dtype=qkv.dtype, device=qkv.device)
     assert (q_norm is None) == (k_norm is None), "q and k norms come together"
     norms = (q_norm, k_norm) if q_norm is not None else (cos_table, cos_table)  # unread without QK_NORM
     kern.rope_cache_write_kernel[(B * T,)](
-        qkv2, cos_table, sin_table, pos, slots, k_cache, v_cache, q, *norms,
+        qkv2, cos_table, sin_table, pos, rope_pos, slots, k_cache, v_cache, q, *norms,
         T, float(eps), qkv2.stride(0), cos_table.stride(0), *pos.stride(),
         *k_cache.stride()[:3], *v_cache.stride()[:3], *q.stride()[:3],
         H=n_heads, HKV=Hkv, D=D, HALF_P=_pow2(D // 2), HEADS_P=_pow2(n_heads + Hkv), KV_P=_pow2(Hkv), D_P=_pow2(D),

@@ -17,7 +17,7 @@ import triton.language as tl
 
 @triton.jit
 def rope_cache_write_kernel(
-    QKV, COS, SIN, POS, SLOTS, KC, VC, QOUT, QN, KN,
+    QKV, COS, SIN, POS, RPOS, SLOTS, KC, VC, QOUT, QN, KN,
     T, EPS,
     s_qkv_r, s_cos, s_pb, s_pt,
     s_kn, s_kh, s_kl,
@@ -40,17 +40,18 @@ def rope_cache_write_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     b = r // T
     t = r % T
-    p = tl.load(POS + b * s_pb + t * s_pt).to(tl.int64)
+    p = tl.load(POS + b * s_pb + t * s_pt).to(tl.int64)  # the cache index written
+    rp = tl.load(RPOS + b * s_pb + t * s_pt).to(tl.int64)  # the RoPE position (a tree node's: by depth)
     slot = tl.load(SLOTS + b).to(tl.int64)
     G: tl.constexpr = H // HKV
     HALF: tl.constexpr = D // 2
 
     j = tl.arange(0, HALF_P)
     j_ok = j < HALF
-    c1 = tl.load(COS + p * s_cos + j, mask=j_ok, other=0.0).to(tl.float32)
-    c2 = tl.load(COS + p * s_cos + HALF + j, mask=j_ok, other=0.0).to(tl.float32)
-    s1 = tl.load(SIN + p * s_cos + j, mask=j_ok, other=0.0).to(tl.float32)
-    s2 = tl.load(SIN + p * s_cos + HALF + j, mask=j_ok, other=0.0).to(tl.float32)
+    c1 = tl.load(COS + rp * s_cos + j, mask=j_ok, other=0.0).to(tl.float32)
+    c2 = tl.load(COS + rp * s_cos + HALF + j, mask=j_ok, other=0.0).to(tl.float32)
+    s1 = tl.load(SIN + rp * s_cos + j, mask=j_ok, other=0.0).to(tl.float32)
+    s2 = tl.load(SIN + rp * s_cos + HALF + j, mask=j_ok, other=0.0).to(tl.float32)
 
     hd = tl.arange(0, HEADS_P)  # q heads 0..H-1, then k heads H..H+HKV-1
     h_ok = hd < H + HKV

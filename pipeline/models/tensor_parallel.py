@@ -624,6 +624,8 @@ def tensor_parallel_graphs(runner: LlamaCausalLM, config: Any = None, allreduce:
     vocab_size = runner.info.vocab_size
 
     class TensorParallelGraphs(graphs.GraphCausalLM):
+        supports_tree = False  # the ranks' lockstep protocol carries no tree parents
+
         def _result(self, logits: torch.Tensor) -> torch.Tensor:  # [B, T', V]: gathered from the static slice
             assert logits.shape[-1] == plan.vocab_shard, (
                 f"graph path returned {logits.shape[-1]} logits per row; expected this rank's {plan.vocab_shard}")

@@ -92,7 +92,8 @@ def test_bf16_graph_logits_as_close_to_float32_as_eager(family_dir, family, fuse
             assert _rel(got, want) < 3e-2, (family, B, T, _rel(got, want))
             assert _rel(got, exact) < 1.5 * _rel(want, exact) + 2e-3, (family, B, T, _rel(got, exact),
                                                                          _rel(want, exact))
-        lengths = [n + 1 for n in lengths]
+            for s in slots.tolist():  # all but the first fed token rejected: a row reads only what it wrote (the
+                lengths[s] += 1  # graph path's padded prefills leave other entries past a row's end)
     assert graph.stats.captures >= 5 and graph.stats.host_syncs == 0
     assert (graph.stats.fused_runs > 0) == fused
 

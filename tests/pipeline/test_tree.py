@@ -13,8 +13,9 @@ from scipy.stats import chisquare
 from pipeline.config import EngineConfig, SamplingParams, SpecParams, TreeConfig
 from pipeline.drafters import ModelDrafter
 from pipeline.engine import SpeculativeEngine
+from pipeline.models.graphs import GraphCausalLM, GraphConfig
 from pipeline.models.loader import load_model
-from pipeline.models.tree_attention import TreeMask, compact_indices, tree_ancestors, tree_depths
+from pipeline.models.tree_attention import TreeMask, compact_indices, tree_ancestors, tree_bits, tree_depths
 from pipeline.rejection import DraftBlock, VerifyOutput, accept, verify
 from pipeline.rng import Stream, uniform
 from pipeline.sampling import SamplingTensors, sample_from_probs, warp
@@ -53,9 +54,35 @@ def test_depths_and_ancestors():
 # ---- the tree mask against chains --------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def target(tiny_models):
-    return load_model(tiny_models["llama"])[0]
+@pytest.fixture(scope="module", params=["eager", "static"])
+def target(tiny_models, request):
+    """The tiny target on the eager runner and on the static-shape graph path (uncaptured, SDPA attention: the
+    same tree attention and `compact` as the CUDA graphs', tests/gpu has those)."""
+    model = load_model(tiny_models["llama"])[0]
+    if request.param == "static":
+        model = GraphCausalLM(model, GraphConfig(graphs=False, compile=False, attention="sdpa", linear="torch"))
+    return model
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 7, 25, 63])
+def test_tree_bits_are_the_ancestor_sets_and_depths(nodes):
+    """Pointer jumping (the bit sets of the graph path, the ancestor matrix and depths of the eager path) against
+    each node's ancestors walked up one parent at a time, on random trees."""
+    g = torch.Generator().manual_seed(nodes)
+    for _ in range(10):
+        parents = torch.tensor([[-1] + [int(torch.randint(-1, i, (1,), generator=g)) for i in range(1, nodes)]
+                                for _ in range(3)])
+        anc = torch.zeros(3, nodes, nodes, dtype=torch.bool)  # walked up node by node
+        for b in range(3):
+            for i in range(nodes):
+                j = i
+                while j >= 0:
+                    anc[b, i, j] = True
+                    j = int(parents[b, j])
+        bits, depth = tree_bits(parents)
+        assert torch.equal(bits, (anc.long() << torch.arange(nodes)).sum(-1))
+        assert torch.equal(depth, anc.sum(-1) - 1)
+        assert torch.equal(tree_ancestors(parents), anc) and torch.equal(tree_depths(parents), depth)
 
 
 def test_tree_forward_equals_each_paths_chain_forward_and_compaction_keeps_the_path(target):
@@ -249,8 +276,11 @@ def test_greedy_trees_equal_the_targets_output(tiny_models, target, tree, drafte
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     want = [r.token_ids for r in SpeculativeEngine(target, None, None, cfg).generate_batch(PROMPTS, params)]
     draft_model = load_model(tiny_models["draft" if drafter == "draft" else "llama"])[0]
+    graph_calls = target.stats.graph_calls if isinstance(target, GraphCausalLM) else 0
     engine = SpeculativeEngine(target, None, ModelDrafter(draft_model), dataclasses.replace(cfg, tree=tree))
     assert [r.token_ids for r in engine.generate_batch(PROMPTS, params, SpecParams(4))] == want
+    if isinstance(target, GraphCausalLM):  # the tree passes took the static path
+        assert target.stats.graph_calls > graph_calls
     for prompt, w in zip(PROMPTS, want):
         r = engine.generate(prompt, params, SpecParams(4))
         assert r.token_ids == w

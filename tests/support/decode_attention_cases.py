@@ -48,7 +48,7 @@ KERNEL_CASES = [
     ("f32-D64-G4-T5-win-softcap-split3", "float32", 64, 4, 5, 333, 37, 3, 4, None, 2.0),
     ("bf16-D128-G2-T1-softcap", "bfloat16", 128, 2, 1, 200, None, None, 3, None, 2.0),
 ]
-GRAPH_CASES = ["graph-gqa", "graph-window", "graph-stream"]
+GRAPH_CASES = ["graph-gqa", "graph-window", "graph-stream", "graph-tree", "graph-tree-window"]
 # Max error relative to the largest output value. bf16: the interpreter rounds bf16 by truncation (the GPU to
 # nearest), so its error is about twice the reference's own bf16 error (seen: 0.6% of the largest value).
 TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 3e-3}
@@ -97,7 +97,7 @@ def graph_case(torch, name: str) -> dict:
 
     args = replace(SHAPES["llama-1b"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2 if name == "graph-gqa" else 4,
                    head_dim=16, intermediate_size=128, vocab_size=128,
-                   sliding_window=6 if name == "graph-window" else None)
+                   sliding_window={"graph-window": 6, "graph-tree-window": 9}.get(name))
     cfg = GraphConfig(graphs=False, compile=False, batch_buckets=(1, 2, 4), token_buckets=(1, 2, 4, 8), kv_block=16)
     models = {
         "triton": GraphCausalLM(random_llama(args, "cpu", torch.float32, seed=5), replace(cfg, attention="triton")),
@@ -105,6 +105,12 @@ def graph_case(torch, name: str) -> dict:
         "eager": random_llama(args, "cpu", torch.float32, seed=5),
     }
     assert models["triton"].attention == "triton" and models["sdpa"].attention == "sdpa"
+    if name.startswith("graph-tree"):  # token trees: the kernel's ancestor bits and the fused RoPE's depth positions
+        models["triton"] = GraphCausalLM(random_llama(args, "cpu", torch.float32, seed=5),
+                                         replace(cfg, attention="triton", fused_rope=True))
+        err, argmax_equal, tree_effect = compare_tree_calls(torch, models, "triton", ("sdpa", "eager"))
+        return {"err": err, "tol": 1e-4, "ok": argmax_equal and tree_effect > 0.1 and
+                models["triton"].stats.graph_calls >= 4, "tree_effect": tree_effect}
     err, argmax_equal = compare_static_paths(torch, models, "triton", ("sdpa", "eager"),
                                              stream=(4, 2) if name == "graph-stream" else None)
     assert models["triton"].stats.graph_calls >= 3
@@ -136,6 +142,73 @@ def compare_static_paths(torch, models: dict, subject: str, refs: tuple[str, ...
             argmax_equal &= bool(torch.equal(out[subject].argmax(-1), out[ref].argmax(-1)))
         lengths = {s: n + 1 for s, n in lengths.items()}  # roll back all but one fed token
     return err, argmax_equal
+
+
+# Token trees of a verify call (region node 0: the pending token), one per row: a chain of 3, a bushy tree of 5,
+# two branches of 7 (the last node hangs under the prefix, as a padding node does)
+TREES = ([-1, 0, 1], [-1, 0, 0, 1, 1], [-1, 0, 0, 1, 2, 3, 4])
+
+
+def tree_rows(torch, T: int, B: int):
+    """[B, T] parents: row b takes TREES[b % 3] cut or padded (a padding node under the prefix) to T nodes."""
+    rows = []
+    for b in range(B):
+        tree = TREES[b % len(TREES)][:T]
+        rows.append(tree + [-1] * (T - len(tree)))
+    return torch.tensor(rows)
+
+
+def compare_tree_calls(torch, models: dict, subject: str, refs: tuple[str, ...],
+                       vocab: int = 128) -> tuple[float, bool, float]:
+    """Prefill three slots of every model alike, feed the same 3-row token-tree verify calls (T = 5 and 7, a
+    different tree per row, one padding row in the batch bucket) to all, move each row's accepted path
+    (`compact`) and feed one more chain step: (largest |subject - ref| logit difference, argmaxes all equal, how
+    far the subject's tree logits lie from its own logits for the same tokens fed as a chain: > 0 shows the tree
+    mask is in force)."""
+    from pipeline.models.tree_attention import TreeMask, compact_indices
+
+    g = torch.Generator().manual_seed(1)
+    lengths = {0: 5, 1: 23, 3: 11}  # slot -> prefilled tokens
+    for m in models.values():
+        m.allocate(4, 64)
+    for slot, n in lengths.items():
+        prompt = torch.randint(0, vocab, (1, n), generator=g)
+        for m in models.values():
+            m.forward(prompt, torch.tensor([0]), torch.tensor([slot]), n - 1)
+    err, argmax_equal, tree_effect = 0.0, True, 0.0
+    slots = torch.tensor([3, 0, 1])  # 3 rows -> bucket 4: one padding row on the scratch slot
+    for T in (5, 7):
+        tokens = torch.randint(0, vocab, (3, T), generator=g)
+        parents = tree_rows(torch, T, 3)
+        positions = torch.tensor([lengths[int(s)] for s in slots])
+        out = {k: m.forward(tokens, positions, slots, tree=TreeMask(parents)) for k, m in models.items()}
+        for ref in refs:
+            err = max(err, float((out[subject] - out[ref]).abs().max()))
+            argmax_equal &= bool(torch.equal(out[subject].argmax(-1), out[ref].argmax(-1)))
+        # the accepted path: node 0, then each row's deepest branch through its last node
+        path = torch.full((3, T), -1)
+        for b in range(3):
+            node, chain = T - 1, []
+            while node > 0:
+                chain.append(node)
+                node = int(parents[b, node])
+            path[b, :len(chain)] = torch.tensor(chain[::-1]) - 1  # region index - 1: the pending token stays put
+        src, dst = compact_indices(positions + 1, path)
+        for m in models.values():
+            m.compact(slots, src, dst)
+        accepted = (path >= 0).sum(1)
+        nxt = torch.randint(0, vocab, (3, 2), generator=g)
+        positions = positions + 1 + accepted
+        out = {k: m.forward(nxt, positions, slots) for k, m in models.items()}
+        for ref in refs:
+            err = max(err, float((out[subject] - out[ref]).abs().max()))
+            argmax_equal &= bool(torch.equal(out[subject].argmax(-1), out[ref].argmax(-1)))
+        lengths = {int(s): int(p) + 1 for s, p in zip(slots, positions)}  # keep one of the two tokens
+    chain = models[subject].forward(tokens, torch.tensor([lengths[int(s)] for s in slots]), slots)
+    tree = models[subject].forward(tokens, torch.tensor([lengths[int(s)] for s in slots]), slots,
+                                   tree=TreeMask(tree_rows(torch, tokens.shape[1], 3)))
+    tree_effect = float((chain - tree).abs().max())
+    return err, argmax_equal, tree_effect
 
 
 def main() -> int:

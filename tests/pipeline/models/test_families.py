@@ -197,6 +197,22 @@ def test_static_path_equals_eager(family_dir, family):
     assert graph.stats.graph_calls == 3
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_static_path_trees_equal_eager(family_dir, family):
+    """Token-tree verify calls on the static path (ancestor bits, RoPE by depth, per-layer windows measured from a
+    node's depth, a row past the window) and `compact` equal the eager runner's tree attention; the same tokens fed
+    as a chain give other logits (the tree mask is in force)."""
+    from pipeline.models.graphs import GraphCausalLM, GraphConfig
+    from tests.support.decode_attention_cases import compare_tree_calls
+
+    path = family_dir(family)
+    static = GraphConfig(graphs=False, compile=False, batch_buckets=(1, 2, 4), token_buckets=(1, 2, 4, 8), kv_block=16)
+    models = {"static": GraphCausalLM(load_model(path)[0], static), "eager": load_model(path)[0]}
+    err, argmax_equal, tree_effect = compare_tree_calls(torch, models, "static", ("eager",), vocab=96)
+    assert err < 1e-4 and argmax_equal and tree_effect > 1e-2, (err, tree_effect)
+    assert models["static"].stats.graph_calls >= 4
+
+
 def test_config_parsing_of_the_families():
     from pipeline.models.llama import LlamaArgs, unsupported_reason
 
