@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -69,10 +69,11 @@ class HeadDrafter:
         self._rows: dict[str, _Row] = {}
         self._free: list[int] = []
         self._out_ids = torch.arange(head.cfg.draft_vocab_size, device=self.device) + head.d2t if self.eagle else None
-        # EAGLE-3 drafts on static buffers, one CUDA graph per shape (`_StaticChain`), on a GPU; eagerly elsewhere
+        # EAGLE-3 drafts on static buffers, one CUDA graph per shape (`_StaticChain`, `_StaticTree`), on a GPU; eagerly
+        # elsewhere
         # (True on the CPU runs the static path uncaptured, for tests)
         self.static = self.eagle and self.device.type == "cuda"
-        self._chains: dict[tuple, _StaticChain] = {}
+        self._chains: dict[tuple, _StaticChain | _StaticTree] = {}  # a static draft's buffers (and graph) per shape
         self._graph_pool = None
         self.tree: TreeShape | None = None  # `draft_trees`: token trees of this shape instead of chains
         self.dynamic: TreeConfig | None = None  # `draft_trees` with a dynamic config: greedy batches' trees
@@ -207,10 +208,8 @@ class HeadDrafter:
                 slots = torch.tensor([s.slot for s in rows_], dtype=torch.int64)
                 pending = torch.tensor([s.fed for s in rows_], dtype=torch.int64)  # the tree region starts there
                 if self.dynamic is not None and sub.all_greedy:
-                    cfg = self.dynamic
-                    return _scatter_rows(B, active, eagle3_dynamic_tree(
-                        self.head, logits, r, pending, slots, cfg.branching[:depth], cfg.max_nodes,
-                        [caps[b] for b in active], self._out_ids), width)
+                    return _scatter_rows(B, active, self._dynamic_tree(logits, r, pending, slots, depth,
+                                                                       [caps[b] for b in active]), width)
                 out = eagle3_tree(self.head, logits, r, pending, slots, shape, depth, sub, u, width, self._out_ids)
             else:
                 feats = torch.stack([s.features[-1][-1] for s in rows_]).to(dev)  # [A, C]
@@ -220,6 +219,22 @@ class HeadDrafter:
         parents = torch.tensor(shape.parents, dtype=torch.int64, device=dev).expand(B, N).contiguous()
         num = torch.tensor([shape.nodes_within(c) for c in caps], dtype=torch.int64, device=dev)
         return DraftBlock(tokens, num, top_ids, top_probs, parents)
+
+    def _dynamic_tree(self, logits: torch.Tensor, r: torch.Tensor, pending: torch.Tensor, slots: torch.Tensor,
+                      depth: int, caps: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`eagle3_dynamic_tree` of `self.dynamic` cut to `depth` levels: on static buffers over a fixed span, one
+        CUDA graph per shape (`_StaticTree`), where the head drafts statically; eagerly otherwise."""
+        branching = self.dynamic.branching[:depth]
+        region = sum(branching[:-1])  # pairs the head's tree calls feed from the pending position on
+        span = head_span_for(int(pending.max()) + region, self.head.max_len)
+        if not (self.static and span is not None):
+            return eagle3_dynamic_tree(self.head, logits, r, pending, slots, branching, self.dynamic.max_nodes,
+                                       torch.tensor(caps), self._out_ids)
+        key = ("tree", logits.shape[0], depth, span)
+        tree = self._chains.get(key)
+        if tree is None:
+            tree = self._chains[key] = _StaticTree(self, logits, r, branching, span)
+        return tree.run(logits, r, pending, slots, caps)
 
     def _eagle_chain_static(self, states: list[_Row], depth: int, sampling: SamplingTensors, u: torch.Tensor,
                             top_k: int, width: int, span: int):
@@ -392,22 +407,61 @@ class _StaticChain:
                             self.depth, self.sampling, self.u, self.top_k, hd._out_ids, self.span)
 
     def _capture(self):
-        dev = self.tok.device
-        if dev.type != "cuda":
-            return self._body()
-        # Warm-up on a side stream (as torch.cuda.graphs recommends); it writes the same cache entries the replay
-        # writes again.
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._body()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=self.drafter._pool()):
-            out = self._body()
-        self.graph.replay()
+        self.graph, out = _capture_static(self._body, self.tok.device, self.drafter)
         return out
+
+
+def _capture_static(body: Callable[[], Any], dev: torch.device, drafter: "HeadDrafter") -> tuple[Any, Any]:
+    """(CUDA graph of body(), its outputs) after running it once, on a GPU; (None, body()) elsewhere. The warm-up
+    runs on a side stream (as torch.cuda.graphs recommends) and writes the same cache entries the replay writes
+    again."""
+    if dev.type != "cuda":
+        return None, body()
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=drafter._pool()):
+        out = body()
+    graph.replay()
+    return graph, out
+
+
+class _StaticTree:
+    """One shape of `HeadDrafter`'s EAGLE-2 dynamic tree (`eagle3_dynamic_tree` over a fixed `span`) on static
+    buffers: the first draft's logits and output r (from the head's read, made eagerly), the pending positions, the
+    slots and the depth caps go in; captured as one CUDA graph on a GPU (on the CPU run as is)."""
+
+    def __init__(self, drafter: "HeadDrafter", logits: torch.Tensor, r: torch.Tensor, branching: tuple[int, ...],
+                 span: int) -> None:
+        self.drafter, self.branching, self.span = drafter, branching, span
+        A, dev = logits.shape[0], logits.device
+        self.logits, self.r = torch.zeros_like(logits), torch.zeros_like(r)
+        self.rows = torch.zeros(3, A, dtype=torch.int64, device=dev)  # pending, slots, caps
+        self.host = torch.zeros(3, A, dtype=torch.int64)
+        self.graph = self.out = None
+
+    def run(self, logits: torch.Tensor, r: torch.Tensor, pending: torch.Tensor, slots: torch.Tensor,
+            caps: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self.logits.copy_(logits)
+        self.r.copy_(r)
+        self.host[0], self.host[1], self.host[2] = pending, slots, torch.tensor(caps)
+        self.rows.copy_(self.host, non_blocking=True)
+        if self.out is None:
+            self.graph, self.out = _capture_static(self._body, self.logits.device, self.drafter)
+        elif self.graph is not None:
+            self.graph.replay()
+        else:
+            self.out = self._body()
+        return tuple(t.clone() for t in self.out)
+
+    def _body(self):
+        hd = self.drafter
+        return eagle3_dynamic_tree(hd.head, self.logits, self.r, self.rows[0], self.rows[1], self.branching,
+                                   hd.dynamic.max_nodes, self.rows[2], hd._out_ids, self.span)
 
 
 @dataclass
@@ -518,8 +572,9 @@ def eagle3_dynamic_tree(
     slots: torch.Tensor,  # [A] int64 the rows' head cache slots
     branching: tuple[int, ...],  # per depth: nodes kept to grow on, and children per grown node
     budget: int,  # nodes verified
-    caps: list[int],  # per row: the deepest it may draft (its K)
+    caps: torch.Tensor,  # [A] int64 per row: the deepest it may draft (its K)
     out_ids: torch.Tensor,  # [V'] target id of each draft-vocabulary row
+    span: int | None = None,  # `Eagle3Head.step`'s (the cache length: static shapes, capturable; `_StaticTree`)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # tokens [A, budget], parents [A, budget], nodes [A]
     """EAGLE-2's dynamic tree for greedy rows (Li et al. 2024): a node's score is its path's log-probability under
     the head. The pending token's branching[0] likeliest children are drafted; at each depth d >= 1 the kept nodes
@@ -530,7 +585,7 @@ def eagle3_dynamic_tree(
     first). Greedy verification walks the tree: each node ships as a point mass."""
     A, dev = logits.shape[0], logits.device
     lp, idx = logits.float().log_softmax(-1).topk(branching[0], dim=-1)  # [A, b0]
-    scores, tokens, parents, depths = [lp], [out_ids[idx]], [torch.full_like(idx, -1)], [0] * branching[0]
+    scores, tokens, parents, depths = [lp], [out_ids[idx]], [torch.full_like(idx, -1)], [torch.zeros_like(idx[0])]
     keep = torch.arange(branching[0], device=dev).expand(A, -1)  # [A, w] candidate index of each kept node
     keep_r = r[:, None].expand(-1, branching[0], -1)  # [A, w, C] each kept node's parent output
     region_parent = torch.full((A, 0), -1, dtype=torch.int64, device=dev)  # parents within the head's region
@@ -540,7 +595,7 @@ def eagle3_dynamic_tree(
         lo = region_parent.shape[1]
         region_parent = torch.cat([region_parent, keep_region_parent], dim=1)
         toks = torch.cat(tokens, dim=1).gather(1, keep)  # [A, w]: target ids; the head embeds target ids
-        lg, out_r = head.step(toks, keep_r, pending_pos + lo, slots, fused=False,
+        lg, out_r = head.step(toks, keep_r, pending_pos + lo, slots, fused=False, span=span,
                               tree=TreeMask(region_parent, first=lo))  # [A, w, V'], [A, w, C]
         kept_scores = torch.cat(scores, dim=1).gather(1, keep)  # [A, w]
         clp, cidx = lg.float().log_softmax(-1).topk(branching[d], dim=-1)  # [A, w, b]
@@ -548,15 +603,15 @@ def eagle3_dynamic_tree(
         scores.append(child)
         tokens.append(out_ids[cidx].flatten(1))
         parents.append(keep[..., None].expand(-1, -1, branching[d]).flatten(1))
-        depths += [d] * child.shape[1]
+        depths.append(torch.full_like(child[0], d, dtype=torch.int64))
         best = child.topk(min(branching[d], child.shape[1]), dim=-1).indices  # [A, w']
         keep = seen + best
         keep_r = out_r.gather(1, (best // branching[d])[..., None].expand(-1, -1, out_r.shape[-1]))
         keep_region_parent = lo + best // branching[d]  # the kept node's parent was fed at region index lo + i
         seen += child.shape[1]
     score = torch.cat(scores, dim=1)  # [A, M]
-    depth = torch.tensor(depths, device=dev)
-    allowed = depth[None, :] < torch.tensor(caps, device=dev)[:, None]  # [A, M]
+    depth = torch.cat(depths)  # [M] each candidate's depth
+    allowed = depth[None, :] < caps.to(dev)[:, None]  # [A, M]
     # ties: the shallower first, so a parent never ranks below its child
     key = torch.where(allowed, score - 1e-4 * depth, float("-inf"))
     n = min(budget, score.shape[1])

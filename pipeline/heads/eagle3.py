@@ -175,7 +175,7 @@ class Eagle3Head(nn.Module):
         positions: torch.Tensor,  # [B] int64 position of column 0
         slots: torch.Tensor,  # [B] int64
         fused: bool,
-        span: int | None = None,  # cache positions the attention reads; None: up to the last one fed (a host read)
+        span: int | None = None,  # cache positions the attention reads; None: up to the last one fed
         tree: TreeMask | None = None,  # the pairs are nodes of a token tree (pipeline.models.tree_attention)
     ) -> tuple[torch.Tensor, torch.Tensor]:  # logits [B, T, V'] float32, r [B, T, C]
         """Write the pairs' keys and values at their positions of each row's slot, attend causally over the slot,
@@ -185,13 +185,13 @@ class Eagle3Head(nn.Module):
         pair in the tree region, and each pair is rotated by its depth and attends to the prefix and its own
         ancestors (`tree_rope_and_mask`)."""
         dev = self.fc.weight.device
+        B, T = tokens.shape
+        S = int(positions.max()) + T if span is None else span  # a host read only where positions are on the device
         tokens, positions, slots = tokens.to(dev), positions.to(dev), slots.to(dev)
         h = features.to(dev, self.fc.weight.dtype)
         if fused:
             h = self.fc(h)
-        B, T = tokens.shape
         pos = positions[:, None] + torch.arange(T, device=dev)  # [B, T] cache index of each pair
-        S = int(pos.max()) + 1 if span is None else span
         if tree is None:
             rope_pos = pos
             mask = (torch.arange(S, device=dev)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, S]

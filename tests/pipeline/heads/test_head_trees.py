@@ -13,6 +13,7 @@ from pipeline.config import EngineConfig, SamplingParams, SpecParams, TreeConfig
 from pipeline.drafters import ProposeRow, build_drafter
 from pipeline.engine import SpeculativeEngine
 from pipeline.heads.drafter import HeadDrafter, eagle3_dynamic_tree, eagle3_tree, medusa_tree
+from pipeline.models.graphs import GraphCausalLM, GraphConfig
 from pipeline.models.loader import load_model
 from pipeline.rejection import accept, verify
 from pipeline.sampling import SamplingTensors, warp
@@ -22,6 +23,7 @@ from tests.support.heads import make_eagle3_checkpoint, make_medusa_checkpoint
 from tests.support.models import NoTreeRunner, make_tiny_llama
 
 V = 128
+STATIC = GraphConfig(graphs=False, compile=False, attention="sdpa", linear="torch")  # the graph path, uncaptured
 PROMPTS = [[1, 5, 9, 17, 33, 65], [3, 4], [7] * 12 + [8, 9, 10], [100, 2, 50, 51, 52, 53, 54, 55, 56]]
 
 
@@ -161,25 +163,32 @@ def test_a_verified_tree_returns_the_accepted_paths_features_as_a_chain_does(set
 # ---- the engine -------------------------------------------------------------------------------------------------
 
 
-def _engine(setup, name: str | None, tree: TreeConfig | None = None) -> SpeculativeEngine:
+def _engine(setup, name: str | None, tree: TreeConfig | None = None, static: bool = False) -> SpeculativeEngine:
+    """The engine over the setup's target (static: on the static-shape graph path, uncaptured, SDPA attention)."""
     model, tok = load_model(str(setup["target"]))
     drafter = build_drafter(f"{name}:{setup[name]}", model.info, tok, target=model) if name else None
+    if static:
+        model = GraphCausalLM(model, STATIC)
     return SpeculativeEngine(model, tok, drafter, EngineConfig(max_batch_size=4, max_seq_len=256, tree=tree))
 
 
 @pytest.mark.parametrize("tree", [TreeConfig((3, 2, 1)), TreeConfig((4, 2, 2, 1), max_nodes=9)],
                          ids=["3x2x1", "budget-9"])
 @pytest.mark.parametrize("name", ["eagle3", "medusa"])
-def test_greedy_head_trees_equal_the_targets_output(setup, name, tree):
+@pytest.mark.parametrize("path", ["eager", "static"])
+def test_greedy_head_trees_equal_the_targets_output(setup, name, tree, path):
+    """On the eager runner and on the static-shape graph path (its tree attention and `compact`)."""
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     want = [r.token_ids for r in _engine(setup, None).generate_batch(PROMPTS, params)]
-    engine = _engine(setup, name, tree)
+    engine = _engine(setup, name, tree, static=path == "static")
     assert engine.head is engine.drafter and engine.head.tree is not None and engine.k_policy is None
     got = engine.generate_batch(PROMPTS, params, SpecParams(4))
     assert [r.token_ids for r in got] == want
     assert sum(r.stats["drafted"] for r in got) > 0
     assert max(engine.timings.steps_by_k) > 4  # passes verified more nodes than a chain of K = 4 has
     assert engine.generate(PROMPTS[1], params, SpecParams(4)).token_ids == want[1]  # alone, in a reused slot
+    if path == "static":  # the tree passes ran on the static path
+        assert engine.target.stats.graph_calls > engine.target.stats.eager_calls
 
 
 def test_head_trees_stay_off_the_device_loop(setup):
@@ -280,7 +289,8 @@ def test_dynamic_tree_is_a_tree_of_the_heads_likeliest_children(setup):
     logits, r = drafter._read(states)
     pending = torch.tensor([states[0].fed])
     tokens, parents, nodes = eagle3_dynamic_tree(head, logits[:1], r[:1], pending, torch.tensor([0]),
-                                                 DYNAMIC.branching, DYNAMIC.max_nodes, [3], drafter._out_ids)
+                                                 DYNAMIC.branching, DYNAMIC.max_nodes, torch.tensor([3]),
+                                                 drafter._out_ids)
     tokens, parents = tokens[0].tolist(), parents[0].tolist()
     assert int(nodes[0]) == DYNAMIC.max_nodes == len(tokens)
     depth, score = [], []
@@ -314,15 +324,20 @@ def test_dynamic_tree_is_a_tree_of_the_heads_likeliest_children(setup):
 
 @pytest.mark.parametrize("tree", [DYNAMIC, TreeConfig((4, 4, 4, 4), max_nodes=12, dynamic=True)],
                          ids=["3x3x3-7", "4x4x4x4-12"])
-def test_greedy_dynamic_trees_equal_the_targets_output(setup, tree):
+@pytest.mark.parametrize("path", ["eager", "static"])
+def test_greedy_dynamic_trees_equal_the_targets_output(setup, tree, path):
+    """On the eager runner; on the static-shape graph path with the head's dynamic tree on static buffers over a fixed
+    span (`_StaticTree`, the GPU's captured draft, run uncaptured)."""
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     want = [r.token_ids for r in _engine(setup, None).generate_batch(PROMPTS, params)]
-    engine = _engine(setup, "eagle3", tree)
+    engine = _engine(setup, "eagle3", tree, static=path == "static")
+    engine.head.static = path == "static"
     assert engine.head.dynamic is tree
     got = engine.generate_batch(PROMPTS, params, SpecParams(4))
     assert [r.token_ids for r in got] == want
     assert sum(r.stats["drafted"] for r in got) > 0
     assert engine.generate(PROMPTS[2], params, SpecParams(2)).token_ids == want[2]  # K = 2 caps the depth
+    assert any(k[0] == "tree" for k in engine.head._chains) == (path == "static")
 
 
 def test_sampled_rows_of_a_dynamic_tree_draft_its_static_shape_and_replay(setup):
