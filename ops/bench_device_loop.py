@@ -87,11 +87,11 @@ def _head(args, target, tok):
     kind, folder = args.draft.split(":", 1)
     if folder == "random":
         folder = str(Path(tempfile.mkdtemp()) / kind)
-        _random_head(kind, folder, target)
+        random_head(kind, folder, target)
     return build_drafter(f"{kind}:{folder}", target.info, tok, target=target)
 
 
-def _random_head(kind: str, folder: str, target) -> None:
+def random_head(kind: str, folder: str, target) -> None:
     """Random weights of the target's shape (K = 4 Medusa heads on its output layer; an EAGLE-3 layer of its width)."""
     from pipeline.heads.eagle3 import Eagle3Config, Eagle3Head, save_eagle3
     from pipeline.heads.medusa import MedusaConfig, MedusaHeads, save_medusa
