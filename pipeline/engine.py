@@ -488,8 +488,8 @@ def _head_drafter(drafter: Drafter | None):  # -> pipeline.heads.drafter.HeadDra
 
 def _tree_drafter(drafter: Drafter | None, target: CausalLM, tree: TreeConfig) -> Drafter | None:
     """`drafter` drafting trees of `tree`'s shape: a `TreeDrafter` over a draft model, or a feature head set to draft
-    trees (`HeadDrafter.draft_trees`). A target or draft model on a path without tree attention (the CUDA graph
-    path, the generic runner, tensor parallelism) keeps chains, logged; any other drafter is refused."""
+    trees (`HeadDrafter.draft_trees`). A target or draft model on a path without tree attention (the generic
+    runner, tensor parallelism) keeps chains, logged; any other drafter is refused."""
     from pipeline.heads.drafter import HeadDrafter
 
     if isinstance(drafter, HybridDrafter) and _head_drafter(drafter) is not None:

@@ -76,8 +76,8 @@ def tree_shape(config: TreeConfig) -> TreeShape:
 
 
 def supports_tree(model: object) -> bool:
-    """Whether a runner verifies trees (the eager fast path does; the CUDA graph path and the generic runner do
-    not)."""
+    """Whether a runner verifies trees (the eager fast path and the CUDA graph path do; tensor parallelism and the
+    generic runner do not)."""
     return bool(getattr(model, "supports_tree", False))
 
 
@@ -87,7 +87,8 @@ class TreeDrafter:
 
     def __init__(self, drafter: ModelDrafter, config: TreeConfig) -> None:
         if not supports_tree(drafter.model):
-            raise ValueError(f"draft model {drafter.name} runs on a path without tree attention (CUDA graphs?)")
+            raise ValueError(f"draft model {drafter.name} runs on a path without tree attention (tensor parallel or "
+                             "the generic runner?)")
         self.drafter, self.config = drafter, config
         self.shape = tree_shape(config)
         self.name = f"{drafter.name} (tree {'x'.join(map(str, config.branching))}, {self.shape.num_nodes} nodes)"

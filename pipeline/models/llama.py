@@ -573,7 +573,7 @@ class LlamaCausalLM:
 
     __call__ = forward
 
-    supports_tree = True  # `forward(..., tree=)` and `compact` (the CUDA graph path has neither)
+    supports_tree = True  # `forward(..., tree=)` and `compact`
     supports_stream = True  # `forward(..., stream=(window, sinks))` (the graph path too)
 
     @torch.inference_mode()
