@@ -203,13 +203,13 @@ class HeadDrafter:
             sub = sampling.select(active)
             u = uniform(sub.seeds, steps[idx.to(steps.device)], Stream.DRAFT, N).to(dev)  # [A, N]
             rows_ = [states[b] for b in active]
+            if self.eagle and self.dynamic is not None and sub.all_greedy:
+                return _scatter_rows(B, active, self._dynamic_tree(rows_, depth, [caps[b] for b in active], sub, u),
+                                     width)
             if self.eagle:
                 logits, r = self._read(rows_)
                 slots = torch.tensor([s.slot for s in rows_], dtype=torch.int64)
                 pending = torch.tensor([s.fed for s in rows_], dtype=torch.int64)  # the tree region starts there
-                if self.dynamic is not None and sub.all_greedy:
-                    return _scatter_rows(B, active, self._dynamic_tree(logits, r, pending, slots, depth,
-                                                                       [caps[b] for b in active]), width)
                 out = eagle3_tree(self.head, logits, r, pending, slots, shape, depth, sub, u, width, self._out_ids)
             else:
                 feats = torch.stack([s.features[-1][-1] for s in rows_]).to(dev)  # [A, C]
@@ -220,21 +220,30 @@ class HeadDrafter:
         num = torch.tensor([shape.nodes_within(c) for c in caps], dtype=torch.int64, device=dev)
         return DraftBlock(tokens, num, top_ids, top_probs, parents)
 
-    def _dynamic_tree(self, logits: torch.Tensor, r: torch.Tensor, pending: torch.Tensor, slots: torch.Tensor,
-                      depth: int, caps: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`eagle3_dynamic_tree` of `self.dynamic` cut to `depth` levels: on static buffers over a fixed span, one
-        CUDA graph per shape (`_StaticTree`), where the head drafts statically; eagerly otherwise."""
+    def _dynamic_tree(self, states: list[_Row], depth: int, caps: list[int], sampling: SamplingTensors,
+                      u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows' unread pairs read, then `eagle3_dynamic_tree` of `self.dynamic` cut to `depth` levels: where the
+        head drafts statically, both on static buffers over a fixed span, one CUDA graph per shape (`_StaticTree`);
+        eagerly otherwise."""
         branching = self.dynamic.branching[:depth]
+        width = len(self.dynamic.branching) + 1  # the pairs a step observes: the pending token and the accepted path
         region = sum(branching[:-1])  # pairs the head's tree calls feed from the pending position on
-        span = head_span_for(int(pending.max()) + region, self.head.max_len)
+        span = head_span_for(max(s.fed for s in states) + width + region, self.head.max_len)
         if not (self.static and span is not None):
+            logits, r = self._read(states)
+            slots = torch.tensor([s.slot for s in states], dtype=torch.int64)
+            pending = torch.tensor([s.fed for s in states], dtype=torch.int64)  # the tree region starts there
             return eagle3_dynamic_tree(self.head, logits, r, pending, slots, branching, self.dynamic.max_nodes,
                                        torch.tensor(caps), self._out_ids)
-        key = ("tree", logits.shape[0], depth, span)
+        for s in states:
+            if s.pending > width:  # (after a prefill) the older pairs first, eagerly
+                self._read_head(s, keep=width)
+        key = ("tree", len(states), width, depth, span)
         tree = self._chains.get(key)
         if tree is None:
-            tree = self._chains[key] = _StaticTree(self, logits, r, branching, span)
-        return tree.run(logits, r, pending, slots, caps)
+            tree = self._chains[key] = _StaticTree(self, len(states), width, branching, sampling, span,
+                                                   states[0].features[0].dtype)
+        return tree.run(states, sampling, u, caps)
 
     def _eagle_chain_static(self, states: list[_Row], depth: int, sampling: SamplingTensors, u: torch.Tensor,
                             top_k: int, width: int, span: int):
@@ -400,11 +409,15 @@ class _StaticChain:
             self.out = self._body()
         return tuple(t.clone() for t in self.out)
 
+    def _read_pairs(self) -> tuple[torch.Tensor, torch.Tensor]:  # logits [A, V'], r [A, C] at each row's last pair
+        logits, r = self.drafter.head.step(self.tok, self.feat, self.start, self.slots, fused=True, span=self.span)
+        return logits[self.rows, self.last], r[self.rows, self.last]
+
     def _body(self):
         hd = self.drafter
-        logits, r = hd.head.step(self.tok, self.feat, self.start, self.slots, fused=True, span=self.span)
-        return eagle3_chain(hd.head, logits[self.rows, self.last], r[self.rows, self.last], self.pos, self.slots,
-                            self.depth, self.sampling, self.u, self.top_k, hd._out_ids, self.span)
+        logits, r = self._read_pairs()
+        return eagle3_chain(hd.head, logits, r, self.pos, self.slots, self.depth, self.sampling, self.u, self.top_k,
+                            hd._out_ids, self.span)
 
     def _capture(self):
         self.graph, out = _capture_static(self._body, self.tok.device, self.drafter)
@@ -430,38 +443,27 @@ def _capture_static(body: Callable[[], Any], dev: torch.device, drafter: "HeadDr
     return graph, out
 
 
-class _StaticTree:
-    """One shape of `HeadDrafter`'s EAGLE-2 dynamic tree (`eagle3_dynamic_tree` over a fixed `span`) on static
-    buffers: the first draft's logits and output r (from the head's read, made eagerly), the pending positions, the
-    slots and the depth caps go in; captured as one CUDA graph on a GPU (on the CPU run as is)."""
+class _StaticTree(_StaticChain):
+    """One shape of `HeadDrafter`'s EAGLE-2 dynamic tree: `_StaticChain`'s read of the rows' unread pairs, then
+    `eagle3_dynamic_tree` over the fixed span (greedy rows; the depth caps a buffer too), captured as one CUDA graph
+    on a GPU (on the CPU run as is)."""
 
-    def __init__(self, drafter: "HeadDrafter", logits: torch.Tensor, r: torch.Tensor, branching: tuple[int, ...],
-                 span: int) -> None:
-        self.drafter, self.branching, self.span = drafter, branching, span
-        A, dev = logits.shape[0], logits.device
-        self.logits, self.r = torch.zeros_like(logits), torch.zeros_like(r)
-        self.rows = torch.zeros(3, A, dtype=torch.int64, device=dev)  # pending, slots, caps
-        self.host = torch.zeros(3, A, dtype=torch.int64)
-        self.graph = self.out = None
+    def __init__(self, drafter: "HeadDrafter", A: int, width: int, branching: tuple[int, ...],
+                 sampling: SamplingTensors, span: int, feat_dtype: torch.dtype) -> None:
+        super().__init__(drafter, A, width, len(branching), 1, sampling, span, feat_dtype)
+        self.branching = branching
+        self.caps = torch.zeros(A, dtype=torch.int64, device=drafter.device)
 
-    def run(self, logits: torch.Tensor, r: torch.Tensor, pending: torch.Tensor, slots: torch.Tensor,
+    def run(self, states: list[_Row], sampling: SamplingTensors, u: torch.Tensor,
             caps: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        self.logits.copy_(logits)
-        self.r.copy_(r)
-        self.host[0], self.host[1], self.host[2] = pending, slots, torch.tensor(caps)
-        self.rows.copy_(self.host, non_blocking=True)
-        if self.out is None:
-            self.graph, self.out = _capture_static(self._body, self.logits.device, self.drafter)
-        elif self.graph is not None:
-            self.graph.replay()
-        else:
-            self.out = self._body()
-        return tuple(t.clone() for t in self.out)
+        self.caps.copy_(torch.tensor(caps, dtype=torch.int64), non_blocking=True)
+        return super().run(states, sampling, u)
 
     def _body(self):
         hd = self.drafter
-        return eagle3_dynamic_tree(hd.head, self.logits, self.r, self.rows[0], self.rows[1], self.branching,
-                                   hd.dynamic.max_nodes, self.rows[2], hd._out_ids, self.span)
+        logits, r = self._read_pairs()
+        return eagle3_dynamic_tree(hd.head, logits, r, self.pos, self.slots, self.branching, hd.dynamic.max_nodes,
+                                   self.caps, hd._out_ids, self.span)
 
 
 @dataclass
