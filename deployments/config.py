@@ -36,6 +36,7 @@ from pipeline.config import (
     NO_DRAFT,
     PROMPT_LOOKUP,
     SUFFIX,
+    TreeConfig,
     draft_model_spec,
     is_head,
     is_self,
@@ -118,6 +119,24 @@ class TargetConfig(_Strict):
         return self
 
 
+class TreeSpec(_Strict):
+    """A token tree for the feature head in the target worker: `pipeline.config.TreeConfig`'s fields."""
+
+    branching: list[int] = Field(min_length=1, description="Children per node at each depth (the tree's depth is "
+                                 "its length); with `dynamic`, nodes kept to grow on and children each, per depth.")
+    max_nodes: Optional[int] = Field(None, ge=1, description="Node budget; None: the full tree.")
+    dynamic: bool = Field(False, description="EAGLE-2's dynamic tree (an EAGLE-3 head, greedy requests; sampled "
+                          "requests draft the static shape). Needs max_nodes.")
+
+    @model_validator(mode="after")
+    def _valid(self) -> "TreeSpec":
+        self.config()  # TreeConfig's checks (node counts, a budget for a dynamic tree)
+        return self
+
+    def config(self) -> TreeConfig:
+        return TreeConfig(tuple(self.branching), self.max_nodes, dynamic=self.dynamic)
+
+
 class DrafterConfig(_Strict):
     draft: str = Field(
         PROMPT_LOOKUP,
@@ -148,6 +167,12 @@ class DrafterConfig(_Strict):
         "with the target's hidden states of the committed positions that each verdict carries (EAGLE-3: the three "
         "auxiliary layers' states; Medusa: the final normed state); no pre-speculation. Ignored for other drafters.",
     )
+    tree: Optional[TreeSpec] = Field(
+        None,
+        description="Token trees instead of chains, drafted by a feature head alone ('eagle3:DIR' or 'medusa:DIR', "
+        "not behind prompt lookup) in the target worker (head_placement 'target'), which verifies them in the same "
+        "pass with its tree attention: the request's K caps the tree's depth. A tensor-parallel target keeps chains.",
+    )
     device: str = "cpu"
     dtype: str = "float32"
 
@@ -169,6 +194,11 @@ class DrafterConfig(_Strict):
         if is_head(self.draft) and self.draft.startswith(HYBRID_PREFIX) and self.head_placement != "target":
             raise ValueError(f"drafter.draft={self.draft!r}: a feature head behind prompt lookup runs in the target "
                              "worker only (head_placement 'target'), where the context the lookup reads is")
+        if self.tree is not None and not (is_head(self.draft) and not self.draft.startswith(HYBRID_PREFIX)
+                                          and self.head_placement == "target"):
+            raise ValueError(f"drafter.tree: token trees in Serve are drafted by a feature head alone ('eagle3:DIR' "
+                             f"or 'medusa:DIR') in the target worker (head_placement 'target'); drafter.draft is "
+                             f"{self.draft!r} with head_placement {self.head_placement!r}")
         return self
 
     @property

@@ -25,7 +25,9 @@ Feature heads (`drafter.head_placement`, `pipeline.heads.drafter.HeadDrafter`):
   (`pipeline.step.propose`), verifies them and lets the head read the target's states of the newly committed
   positions, as the engine's step does. The head's cache slot lives and dies with the request's target slot: a
   prefill (the first call, or a resend with `prefix` after a restart or a miss) lets it read the prefix afresh, and
-  a call whose head has not read exactly the committed positions [0, start) is answered CACHE_MISS.
+  a call whose head has not read exactly the committed positions [0, start) is answered CACHE_MISS. With
+  `drafter.tree` the head drafts token trees and the same pass verifies them with the target's tree attention
+  (the cache keeps the accepted path); a verdict is a chain's (its tokens, and the tree's depth as `num_draft`).
 - 'drafter': each verdict carries the states a head on a drafter replica reads (`messages.HeadFeatures`): those of
   the pending token and the accepted drafts, after a prefill those of the prefix first.
 """
@@ -46,12 +48,14 @@ from deployments.config import TARGET, AppConfig
 from deployments.messages import PREFILL_CHUNK, HeadFeatures, VerifyCall
 from deployments.tp_group import leader_runner, spawn_tensor_parallel_workers
 from deployments.workers import CACHE_MISS, STALE, EpochFence, ModelHost, kv_slots, spawn_workers, warm_up
+from pipeline.config import TreeConfig
 from pipeline.drafters import HybridDrafter, PromptLookupDrafter, ProposeRow, build_drafter
 from pipeline.heads.drafter import HeadDrafter
 from pipeline.models.graphs import graphs_on_cuda
 from pipeline.models.loader import load_model
 from pipeline.sampling import SamplingTensors
 from pipeline.step import CACHE_SLACK, Verdict, catch_up, pack, propose, verify_and_accept
+from pipeline.tree import supports_tree
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +72,7 @@ class TargetWorker:
         kv_cache_gb: Optional[float] = None, kv_cache_fraction: float = 0.9, max_waiting: int = 64,
         head: Optional[str] = None,  # a feature head ('eagle3:DIR', 'medusa:DIR') that reads this target's states
         head_in_target: bool = True,  # run it here (else return the states it reads with each verdict)
+        tree: Optional[TreeConfig] = None,  # the head here drafts token trees of this shape (`HeadDrafter.draft_trees`)
     ) -> None:
         assert rank == 0, "ranks > 0 of a tensor-parallel replica are tp_group.RankFollower actors"
         torch.set_num_threads(torch_threads)
@@ -96,6 +101,11 @@ class TargetWorker:
             if head_in_target:
                 hd.allocate(num_slots, max_seq_len + CACHE_SLACK)
                 self.head, self.drafter = hd, drafter
+                if tree is not None and supports_tree(self.model):
+                    hd.draft_trees(tree)
+                elif tree is not None:
+                    logger.warning("token trees: the target runs on %s, which has no tree attention; drafting chains "
+                                "instead", type(self.model).__name__)
                 self._lookup = drafter.lookup if isinstance(drafter, HybridDrafter) else None
             if world_size == 1:
                 warm_up(self.model, num_slots, "target (head's states)", self.feature_layers)
@@ -343,6 +353,7 @@ class TargetServer(ModelHost):
             kv_cache_gb=t.kv_cache_gb, kv_cache_fraction=t.kv_cache_fraction, max_waiting=t.max_waiting,
             **({"tp_allreduce": t.tp_allreduce} if t.tensor_parallel_size > 1 else {}),
             **({"head": cfg.drafter.head, "head_in_target": cfg.drafter.head_in_target} if cfg.drafter.head else {}),
+            **({"tree": cfg.drafter.tree.config()} if cfg.drafter.tree is not None else {}),
         )
         self._info = await self.workers[0].info.remote()  # waits for the model to load
 

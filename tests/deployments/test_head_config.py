@@ -36,3 +36,18 @@ def test_a_feature_head_runs_drafter_replicas_only_when_placed_there(word):
 def test_a_feature_head_needs_a_target_of_one_shard():
     with pytest.raises(ValidationError, match="tensor_parallel_size must be 1"):
         AppConfig(drafter={"draft": "eagle3:/heads/e3"}, target={"tensor_parallel_size": 2})
+
+
+def test_token_trees_take_a_feature_head_alone_in_the_target():
+    cfg = AppConfig(drafter={"draft": "eagle3:/heads/e3", "tree": {"branching": [4, 4, 4], "max_nodes": 12,
+                                                                    "dynamic": True}})
+    tree = cfg.drafter.tree.config()
+    assert tree.branching == (4, 4, 4) and tree.max_nodes == 12 and tree.dynamic
+    for bad in ({"draft": "lookup+eagle3:/heads/e3"}, {"draft": "prompt-lookup"},
+                {"draft": "smollm2-135m-distill"}, {"draft": "eagle3:/heads/e3", "head_placement": "drafter"}):
+        with pytest.raises(ValidationError, match="feature head alone"):
+            DrafterConfig(**bad, tree={"branching": [2, 2]})
+    with pytest.raises(ValidationError, match="node budget"):  # TreeConfig's own checks
+        DrafterConfig(draft="eagle3:/heads/e3", tree={"branching": [2, 2], "dynamic": True})
+    with pytest.raises(ValidationError):
+        DrafterConfig(draft="eagle3:/heads/e3", tree={"branching": []})

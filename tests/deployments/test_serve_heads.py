@@ -51,8 +51,9 @@ def heads(tmp_path_factory):
     }
 
 
-def engine_steps(heads, word: str, sampling: dict, max_tokens: int = 40) -> tuple[list[list[int]], object]:
-    """The in-process engine's steps (token ids committed per target pass) and its result."""
+def engine_steps(heads, word: str, sampling: dict, max_tokens: int = 40, tree=None) -> tuple[list[list[int]], object]:
+    """The in-process engine's steps (token ids committed per target pass) and its result (`tree`: drafting token
+    trees of that `TreeConfig`)."""
     from pipeline.config import EngineConfig, SamplingParams, SpecParams
     from pipeline.drafters import build_drafter
     from pipeline.engine import SpeculativeEngine
@@ -60,13 +61,13 @@ def engine_steps(heads, word: str, sampling: dict, max_tokens: int = 40) -> tupl
 
     model, tok = load_model(heads["target"])
     drafter = build_drafter(word, model.info, tok, target=model)
-    engine = SpeculativeEngine(model, tok, drafter, EngineConfig(max_batch_size=2, max_seq_len=MAX_SEQ_LEN))
+    engine = SpeculativeEngine(model, tok, drafter, EngineConfig(max_batch_size=2, max_seq_len=MAX_SEQ_LEN, tree=tree))
     events = list(engine.stream(PROMPT, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling),
                                 SpecParams(K)))
     return [e.token_ids for e in events], events[-1].result
 
 
-def run_target_placement(heads, word: str, params, restart_at: int = -1) -> tuple[list[list[int]], object]:
+def run_target_placement(heads, word: str, params, restart_at: int = -1, tree=None) -> tuple[list[list[int]], object]:
     """The coordinator's loop with the head in the target worker: each verify call asks for the step's draft.
     restart_at: before that step, the worker is replaced by a fresh one (a restarted replica) and the call carries
     the committed tokens, as after a CACHE_MISS."""
@@ -77,7 +78,7 @@ def run_target_placement(heads, word: str, params, restart_at: int = -1) -> tupl
     from pipeline.step import Draft, commit, draft_budgets
 
     def worker():
-        w = TargetWorker(heads["target"], max_batch_size=2, max_seq_len=MAX_SEQ_LEN, head=word)
+        w = TargetWorker(heads["target"], max_batch_size=2, max_seq_len=MAX_SEQ_LEN, head=word, tree=tree)
         asyncio.run(w.admit("r"))
         return w
 
@@ -146,6 +147,27 @@ def test_head_in_the_target_runs_the_engines_steps(heads, word, sampling):
     assert steps == want_steps
     assert state.stats.drafted == result.stats["drafted"] > 0
     assert state.stats.accepted == result.stats["accepted"]
+
+
+@pytest.mark.parametrize("word,tree,sampling", [
+    ("eagle3", "3,2,1", GREEDY), ("eagle3", "3,2,1", SEEDED), ("eagle3", "dyn:3,3,3:7", GREEDY),
+    ("medusa", "3,2,1", SEEDED)])
+def test_head_in_the_target_drafts_the_engines_trees(heads, word, tree, sampling):
+    """`drafter.tree`: the head in the target worker drafts token trees and the worker's pass verifies them; every
+    step is the engine's with the same tree (static, sampled, EAGLE-2's dynamic)."""
+    from ops.bench_tree import parse_tree
+    from pipeline.config import SamplingParams
+
+    tree = parse_tree(tree)
+    want_steps, result = engine_steps(heads, heads[word], sampling, tree=tree)
+    params = SamplingParams(max_tokens=40, ignore_eos=True, **{"seed": result.seed, **sampling})
+    steps, state = run_target_placement(heads, heads[word], params, tree=tree)
+    assert steps == want_steps
+    assert state.stats.drafted == result.stats["drafted"] > 0 and state.stats.accepted == result.stats["accepted"]
+    from deployments.target_replica import TargetWorker
+
+    worker = TargetWorker(heads["target"], max_batch_size=2, max_seq_len=MAX_SEQ_LEN, head=heads[word], tree=tree)
+    assert worker.head.tree is not None and (worker.head.dynamic is not None) == tree.dynamic
 
 
 def run_multi_step(heads, word: str, params, steps_per_call: int) -> tuple[list[list[int]], object]:
