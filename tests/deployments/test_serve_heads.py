@@ -9,7 +9,8 @@ committed tokens again; multi-step calls (the worker feeding itself several pass
 prompt lookup too. The last ones run one app per placement (real Ray, real Redis, HTTP; in the target the head runs
 behind prompt lookup, as the demo target's default does): greedy output equals the engine's token for token, seeded
 requests replay (and, head in the target, equal the engine's), and a request resumed from Redis (Last-Event-ID after
-the client left) ends with the engine's tokens.
+the client left) ends with the engine's tokens; an app whose head in the target drafts token trees (`drafter.tree`)
+gives the engine's tokens with the same tree.
 
 Sampled outputs follow the target's distribution because the steps are the engine's (`pipeline.step`, the same
 verification and acceptance code); the distribution test with its negative control runs on the engine
@@ -269,18 +270,26 @@ def complete(url: str, model: str, body: dict) -> tuple[list[int], dict]:
 IN_TARGET = "lookup+eagle3"
 
 
-def deploy(heads, placement: str):
+# The app whose head in the target drafts EAGLE-2 dynamic trees (`drafter.tree`)
+TREE = {"branching": [3, 3, 3], "max_nodes": 7, "dynamic": True}
+
+
+def deploy(heads, placement: str, tree: dict | None = None):
     from deployments.app import build_app
 
+    name = f"{placement}-tree" if tree else placement
+    drafter = {"draft": heads[IN_TARGET if placement == "target" else "eagle3"], "head_placement": placement,
+               "max_batch_size": 2}
+    if tree:
+        drafter.update(draft=heads["eagle3"], tree=tree)
     config = {
-        "served_model_name": f"tiny-head-{placement}",
+        "served_model_name": f"tiny-head-{name}",
         "target": {"model": heads["target"], "max_seq_len": MAX_SEQ_LEN, "max_batch_size": 2},
-        "drafter": {"draft": heads[IN_TARGET if placement == "target" else "eagle3"], "head_placement": placement,
-                    "max_batch_size": 2},
+        "drafter": drafter,
         "coordinator": {"adaptive_k": False},
         "speculation": {"num_draft_tokens": K},
     }
-    return run_app(build_app(config), f"heads-{placement}"), config["served_model_name"]
+    return run_app(build_app(config), f"heads-{name}"), config["served_model_name"]
 
 
 @pytest.fixture(scope="module")
@@ -289,6 +298,14 @@ def head_in_target(heads):
 
     yield deploy(heads, "target")
     serve.delete("heads-target")
+
+
+@pytest.fixture(scope="module")
+def trees_in_target(heads):
+    from ray import serve
+
+    yield deploy(heads, "target", TREE)
+    serve.delete("heads-target-tree")
 
 
 @pytest.fixture(scope="module")
@@ -311,6 +328,21 @@ def test_served_head_in_the_target_equals_the_engine(heads, head_in_target):
     first, _ = complete(url, model, {"max_tokens": 40, **SEEDED})
     again, _ = complete(url, model, {"max_tokens": 40, **SEEDED})
     assert first == again == engine_steps(heads, heads[IN_TARGET], SEEDED)[1].token_ids
+
+
+@pytest.mark.slow
+def test_served_trees_in_the_target_equal_the_engine(heads, trees_in_target):
+    """HTTP with `drafter.tree`: greedy requests (dynamic trees) and seeded ones (the static shape) give the engine's
+    tokens with the same tree."""
+    from pipeline.config import TreeConfig
+
+    url, model = trees_in_target
+    tree = TreeConfig(tuple(TREE["branching"]), TREE["max_nodes"], dynamic=True)
+    want = engine_steps(heads, heads["eagle3"], GREEDY, tree=tree)[1]
+    ids, spec = complete(url, model, {"max_tokens": 40, **GREEDY})
+    assert ids == want.token_ids and spec["drafted"] == want.stats["drafted"] > 0
+    seeded, _ = complete(url, model, {"max_tokens": 40, **SEEDED})
+    assert seeded == engine_steps(heads, heads["eagle3"], SEEDED, tree=tree)[1].token_ids
 
 
 @pytest.mark.slow
