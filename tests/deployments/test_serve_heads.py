@@ -156,10 +156,9 @@ def test_head_in_the_target_runs_the_engines_steps(heads, word, sampling):
 def test_head_in_the_target_drafts_the_engines_trees(heads, word, tree, sampling):
     """`drafter.tree`: the head in the target worker drafts token trees and the worker's pass verifies them; every
     step is the engine's with the same tree (static, sampled, EAGLE-2's dynamic)."""
-    from ops.bench_tree import parse_tree
-    from pipeline.config import SamplingParams
+    from pipeline.config import SamplingParams, TreeConfig
 
-    tree = parse_tree(tree)
+    tree = {"3,2,1": TreeConfig((3, 2, 1)), "dyn:3,3,3:7": TreeConfig((3, 3, 3), 7, dynamic=True)}[tree]
     want_steps, result = engine_steps(heads, heads[word], sampling, tree=tree)
     params = SamplingParams(max_tokens=40, ignore_eos=True, **{"seed": result.seed, **sampling})
     steps, state = run_target_placement(heads, heads[word], params, tree=tree)
