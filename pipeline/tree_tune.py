@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from pipeline.config import MAX_TREE_NODES, TreeConfig
 
@@ -66,6 +66,35 @@ def acceptance_from_counts(hits: Sequence[Sequence[int]], exposures: Sequence[Se
         total = sum(row)
         out.append([a / total for a in row] if total > 1.0 else row)
     return out
+
+
+class RankCounter:
+    """hits and exposures for `acceptance_from_counts`, from greedy passes over drafted trees (or chains)."""
+
+    def __init__(self, depth: int, ranks: int) -> None:
+        self.hits = [[0] * ranks for _ in range(depth)]
+        self.exposures = [[0] * ranks for _ in range(depth)]
+
+    def observe(self, parents: Sequence[int], tokens: Sequence[int], truth: Sequence[int]) -> None:
+        """One pass: the drafted nodes (each one's parent, -1: the pending token; siblings in rank order) and
+        their tokens, and the target's greedy tokens after the pending token (truth[d] at depth d, as many as are
+        known). Walks the accepted path: at each depth every drafted child of the path's node is exposed, and the
+        one holding the target's token is hit."""
+        node, depth, ranks = -1, len(self.hits), len(self.hits[0]) if self.hits else 0
+        for d in range(min(depth, len(truth))):
+            children = [i for i, p in enumerate(parents) if p == node]  # in rank order
+            match = None
+            for rank, i in enumerate(children[:ranks]):
+                self.exposures[d][rank] += 1
+                if tokens[i] == truth[d]:
+                    self.hits[d][rank] += 1
+                    match = i
+            if match is None:
+                return
+            node = match
+
+    def rank_acceptance(self) -> list[list[float]]:
+        return acceptance_from_counts(self.hits, self.exposures)
 
 
 @dataclass(frozen=True)
@@ -203,10 +232,12 @@ def choose(trees: dict[tuple[int, int], TunedTree], costs: Costs) -> tuple[Choic
     return max(rows, key=lambda c: c.tokens_per_s), rows
 
 
-def verify_seconds(target: Any, passes: dict[str, int | Any], context: int, reps: int) -> dict[str, float]:
-    """Median seconds of one verify pass of `target` (a fast-path runner) at a `context`-token context: for each
-    name a chain of T tokens (an int) or the pending token and a `pipeline.tree.TreeShape`'s nodes with its tree
-    mask; the passes run interleaved, `reps` times each. Re-allocates the target's cache (one slot)."""
+def verify_seconds(target: Any, passes: dict[str, int | Any], context: int, reps: int,
+                   reduce: Callable[[list[float]], float] = statistics.median) -> dict[str, float]:
+    """Seconds (`reduce` of the timed passes: their median, or their least) of one verify pass of `target` (a
+    fast-path runner) at a `context`-token context: for each name a chain of T tokens (an int) or the pending token
+    and a `pipeline.tree.TreeShape`'s nodes with its tree mask; the passes run interleaved, `reps` timed times each
+    after one untimed round. Re-allocates the target's cache (one slot)."""
     import torch
 
     from pipeline.models.tree_attention import TreeMask
@@ -221,13 +252,15 @@ def verify_seconds(target: Any, passes: dict[str, int | Any], context: int, reps
     target.allocate(1, context + max(t for t, _ in calls.values()) + 16)
     target.forward(torch.randint(100, 5000, (1, context)), torch.tensor([0]), torch.tensor([0]), context - 1)
     times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(reps):
+    for rep in range(reps + 1):  # the first round warms up, untimed
         for name, (T, tree) in calls.items():
             tokens = torch.randint(100, 5000, (1, T))  # [1, T]
             t0 = time.perf_counter()
-            target.forward(tokens, torch.tensor([context]), torch.tensor([0]), tree=tree)
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+            logits = target.forward(tokens, torch.tensor([context]), torch.tensor([0]), tree=tree)
+            float(logits[0, -1, 0])  # the pass is done (a device sync)
+            if rep:
+                times[name].append(time.perf_counter() - t0)
+    return {name: reduce(ts) for name, ts in times.items()}
 
 
 def save_tree(path: str | Path, choice: Choice, table: list[Choice], rank_acceptance: RankAcceptance, costs: Costs,

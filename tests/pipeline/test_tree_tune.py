@@ -12,6 +12,7 @@ from pipeline.config import InvalidParam, TreeConfig
 from pipeline.tree import TreeShape, tree_shape
 from pipeline.tree_tune import (
     Costs,
+    RankCounter,
     TunedTree,
     acceptance_from_counts,
     best_trees,
@@ -197,3 +198,17 @@ def test_bad_files_say_what_is_wrong(tmp_path):
 def test_tuned_tree_properties():
     t = TunedTree(((0,), (1,), (0, 0)), 1.0)
     assert (t.num_nodes, t.depth) == (3, 2)
+
+
+def test_rank_counter_walks_the_accepted_path():
+    counter = RankCounter(depth=3, ranks=2)
+    # pending -> nodes 0 (rank 0, token 5), 1 (rank 1, token 6); node 1 -> node 2 (token 7), node 3 (token 8)
+    parents, tokens = [-1, -1, 1, 1], [5, 6, 7, 8]
+    counter.observe(parents, tokens, truth=[6, 8, 9])  # rank 1, then rank 1, then nothing drafted
+    counter.observe(parents, tokens, truth=[4])  # neither child
+    counter.observe([-1, 0], [5, 2], truth=[5, 2, 3])  # a chain: rank 0 twice, depth 2 not drafted
+    assert counter.exposures == [[3, 2], [2, 1], [0, 0]]
+    assert counter.hits == [[1, 1], [1, 1], [0, 0]]
+    got = counter.rank_acceptance()
+    assert got[0] == pytest.approx([1 / 3, 0.5]) and got[1] == pytest.approx([1 / 3, 2 / 3])  # 0.5 + 1.0: scaled
+    assert got[2] == [0.0, 0.0]
