@@ -199,6 +199,19 @@ class Costs:
         return costs
 
 
+def non_decreasing(values: Sequence[float]) -> list[float]:
+    """The least-squares non-decreasing fit of `values` (pool adjacent violators): a measured cost table where a
+    pass over more tokens never costs less, noise spread over its neighbours instead of carried forward."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+    return [s / c for s, c in blocks for _ in range(int(c))]
+
+
 @dataclass(frozen=True)
 class Choice:
     """A tree with its predicted speed on a machine."""
