@@ -199,19 +199,6 @@ class Costs:
         return costs
 
 
-def non_decreasing(values: Sequence[float]) -> list[float]:
-    """The least-squares non-decreasing fit of `values` (pool adjacent violators): a measured cost table where a
-    pass over more tokens never costs less, noise spread over its neighbours instead of carried forward."""
-    blocks: list[list[float]] = []  # [sum, count]
-    for v in values:
-        blocks.append([v, 1])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            s, c = blocks.pop()
-            blocks[-1][0] += s
-            blocks[-1][1] += c
-    return [s / c for s, c in blocks for _ in range(int(c))]
-
-
 @dataclass(frozen=True)
 class Choice:
     """A tree with its predicted speed on a machine."""
@@ -260,7 +247,8 @@ def verify_seconds(target: Any, passes: dict[str, int | Any], context: int, reps
         if isinstance(p, int):
             calls[name] = (p, None)
         else:
-            parents = torch.tensor([[-1] + [q + 1 for q in p.parents]])  # [1, n + 1]: the pending token first
+            parents = torch.tensor([[-1] + [q + 1 for q in p.parents]],  # [1, n + 1]: the pending token first
+                                   device=getattr(target, "device", "cpu"))
             calls[name] = (p.num_nodes + 1, TreeMask(parents))
     target.allocate(1, context + max(t for t, _ in calls.values()) + 16)
     target.forward(torch.randint(100, 5000, (1, context)), torch.tensor([0]), torch.tensor([0]), context - 1)

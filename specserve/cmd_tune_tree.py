@@ -12,9 +12,9 @@ and the optimiser are `pipeline.tree_tune`).
    path gives, at each depth, which ranks were drafted and which one held the target's token. Or `--acceptance
    FILE` (a tree file, or {"rank_acceptance": [[...], ...]}).
 2. Costs on this machine: the target's verify pass over n + 1 tokens with the tree mask for n = 1..--max-nodes, at
-   a `--context`-token context (the least of `--reps` passes: load on a shared machine only adds; then fitted
-   non-decreasing in n, `pipeline.tree_tune.non_decreasing`; the file keeps both), and one draft level (the
-   drafter's chain step over K = --max-depth, per token). Or `--costs FILE`:
+   a `--context`-token context (the least of `--reps` interleaved passes: load on a shared machine only adds; the
+   table is kept as measured, since a pass over more tokens can cost less where the kernels change), and one draft
+   level (the drafter's chain step over K = --max-depth, per token). Or `--costs FILE`:
    {"device": ..., "verify_s": {"2": s, "3": s, ...}, "draft_level_s": s}.
 3. The best tree per node budget and depth, the one of most predicted tokens/s, written to `--out` (with a plot of
    predicted tokens per pass against the budget beside it when matplotlib is installed).
@@ -55,6 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=5, help="timed passes per size (their median is kept)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -84,9 +85,8 @@ def run(args: argparse.Namespace) -> int:
                          measure_nodes=args.measure_nodes)
             accept = measure_acceptance(engine, prompts, args)
         if costs is None:
-            costs, measured = measure_costs(engine, args)
-            about.update(context=args.context, reps=args.reps,
-                         verify_s_measured={str(t): s for t, s in measured.items()})
+            costs = measure_costs(engine, args)
+            about.update(context=args.context, reps=args.reps)
     trees = best_trees(accept, args.max_nodes, args.max_depth)
     best, rows = choose(trees, costs)
     print("acceptance by depth (rank 0, 1, ..): " + "; ".join(
@@ -109,8 +109,9 @@ def _engine(args: argparse.Namespace):
     from pipeline.config import EngineConfig
     from pipeline.engine import SpeculativeEngine
 
+    # trees run on the eager fast path (the CUDA graph path has no tree attention): measure there
     return SpeculativeEngine.from_pretrained(args.target, args.draft, EngineConfig(
-        max_batch_size=1, max_seq_len=4096, device=args.device), adaptive_k=False)
+        max_batch_size=1, max_seq_len=4096, device=args.device, dtype=args.dtype, graphs=False), adaptive_k=False)
 
 
 def _prompts(args: argparse.Namespace, tokenizer) -> tuple[list[list[int]], str]:
@@ -197,12 +198,11 @@ def measure_acceptance(engine, prompts: list[list[int]], args: argparse.Namespac
 
 
 def measure_costs(engine, args: argparse.Namespace):
-    """(This machine's cost table, the verify seconds as measured): verify passes of n + 1 tokens with a tree mask
-    (the least of --reps, then fitted non-decreasing in n), and one draft level (a chain step of the drafter over
-    K = --max-depth, per drafted token, on two prompts)."""
+    """This machine's cost table: verify passes of n + 1 tokens with a tree mask (the least of --reps), and one
+    draft level (a chain step of the drafter over K = --max-depth, per drafted token, on two prompts)."""
     from pipeline.config import SamplingParams, SpecParams
     from pipeline.tree import TreeShape
-    from pipeline.tree_tune import Costs, non_decreasing, verify_seconds
+    from pipeline.tree_tune import Costs, verify_seconds
     from specserve.spec_bench import machine
 
     seconds = [0.0, 0]  # drafting seconds, tokens drafted
@@ -222,9 +222,7 @@ def measure_costs(engine, args: argparse.Namespace):
     engine.drafter.propose = propose
     shapes = {str(n + 1): TreeShape.chain(n) for n in range(1, args.max_nodes + 1)}
     verify = verify_seconds(engine.target, shapes, args.context, args.reps, reduce=min)
-    sizes = sorted(int(t) for t in verify)
-    table = dict(zip(sizes, non_decreasing([verify[str(t)] for t in sizes])))  # more tokens never cost less
-    return Costs(machine(), table, seconds[0] / max(1, seconds[1])), {t: verify[str(t)] for t in sizes}
+    return Costs(machine(), {int(t): s for t, s in verify.items()}, seconds[0] / max(1, seconds[1]))
 
 
 def _plot(rows, best, path: Path) -> None:

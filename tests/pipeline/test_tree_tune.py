@@ -21,7 +21,6 @@ from pipeline.tree_tune import (
     load_costs,
     load_rank_acceptance,
     load_tree,
-    non_decreasing,
     save_tree,
 )
 
@@ -214,8 +213,3 @@ def test_rank_counter_walks_the_accepted_path():
     assert got[0] == pytest.approx([1 / 3, 0.5]) and got[1] == pytest.approx([1 / 3, 2 / 3])  # 0.5 + 1.0: scaled
     assert got[2] == [0.0, 0.0]
 
-
-def test_non_decreasing_fit():
-    assert non_decreasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
-    assert non_decreasing([1.0, 5.0, 2.0, 3.0]) == pytest.approx([1.0, 10 / 3, 10 / 3, 10 / 3])  # a spike spread
-    assert non_decreasing([3.0, 1.0]) == [2.0, 2.0]
