@@ -78,3 +78,34 @@ def test_the_measurement_tree_drafts_every_rank_at_every_depth():
     assert len(measurement_tree(ranks=3, depth=2, nodes=1).paths) == 6  # the caterpillar at least
     with pytest.raises(ValueError, match="at most 64"):
         measurement_tree(ranks=9, depth=8, nodes=64)
+
+
+
+def test_the_tree_option_loads_a_tree_file_the_engine_drafts(tmp_path):
+    """`--tree FILE.json` (generate, bench) gives the file's shape; an engine drafting it keeps the target's greedy
+    output (tiny random models: token ids, no tokenizer)."""
+    import argparse
+    import dataclasses
+
+    from pipeline.config import EngineConfig, SamplingParams, SpecParams
+    from pipeline.drafters import ModelDrafter
+    from pipeline.engine import SpeculativeEngine
+    from pipeline.models.loader import load_model
+    from specserve.cmd_generate import tree_config
+    from tests.support.models import make_tiny_llama
+
+    tree_file = tmp_path / "tree.json"
+    paths = [[0], [1], [0, 0], [0, 1], [0, 0, 0]]
+    tree_file.write_text(json.dumps({"format": "specserve-tree/1", "paths": paths}))
+    tree = tree_config(argparse.Namespace(tree=str(tree_file), tree_nodes=None, tree_dynamic=False))
+    assert tree.paths == tuple(map(tuple, paths)) and tree.branching == (2, 2, 1)
+    target = load_model(make_tiny_llama(tmp_path / "t", vocab_size=128))[0]
+    draft = load_model(make_tiny_llama(tmp_path / "d", vocab_size=128, hidden=32, layers=1, heads=2,
+                                       kv_heads=1))[0]
+    cfg = EngineConfig(max_batch_size=2, max_seq_len=128)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    prompts = [[5, 17, 33, 17, 33, 9], [100, 7]]
+    want = [r.token_ids for r in SpeculativeEngine(target, None, None, cfg).generate_batch(prompts, params)]
+    engine = SpeculativeEngine(target, None, ModelDrafter(draft), dataclasses.replace(cfg, tree=tree))
+    got = engine.generate_batch(prompts, params, SpecParams(3))
+    assert [r.token_ids for r in got] == want and sum(r.stats["drafted"] for r in got) > 0
