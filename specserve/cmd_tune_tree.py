@@ -199,7 +199,7 @@ def measure_acceptance(engine, prompts: list[list[int]], args: argparse.Namespac
 
 def measure_costs(engine, args: argparse.Namespace):
     """This machine's cost table: verify passes of n + 1 tokens with a tree mask (the least of --reps), and one
-    draft level (a chain step of the drafter over K = --max-depth, per drafted token, on two prompts)."""
+    draft level (a chain step of the drafter over K = --max-depth, per drafted token, on two prompts of token ids)."""
     from pipeline.config import SamplingParams, SpecParams
     from pipeline.tree import TreeShape
     from pipeline.tree_tune import Costs, verify_seconds
@@ -217,8 +217,9 @@ def measure_costs(engine, args: argparse.Namespace):
         return block
 
     engine.drafter.propose = timed
-    for text in ("Explain how a bicycle stays upright.", "Write a short poem about the sea."):
-        engine.generate(text, SamplingParams(max_tokens=32, seed=0), SpecParams(args.max_depth), chat=True)
+    for i in range(2):  # token ids: no tokenizer needed (a random-weight target of a shape times the same)
+        prompt = [100 + (37 * j + 11 * i) % 900 for j in range(64)]
+        engine.generate(prompt, SamplingParams(max_tokens=32, seed=0, ignore_eos=True), SpecParams(args.max_depth))
     engine.drafter.propose = propose
     shapes = {str(n + 1): TreeShape.chain(n) for n in range(1, args.max_nodes + 1)}
     verify = verify_seconds(engine.target, shapes, args.context, args.reps, reduce=min)
