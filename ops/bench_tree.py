@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,36 +22,40 @@ SPEC_BENCH = "/work/shared/data/spec_bench_dev.jsonl"
 
 
 def parse_tree(text: str):
-    """'3,2,2,1:8' -> TreeConfig((3, 2, 2, 1), max_nodes=8); 'dyn:4,4,4,4:12' -> the same, dynamic=True."""
+    """'3,2,2,1:8' -> TreeConfig((3, 2, 2, 1), max_nodes=8); 'dyn:4,4,4,4:12' -> the same, dynamic=True; a path to
+    a `specserve tune-tree` file (FILE.json) -> its shape."""
     from pipeline.config import TreeConfig
+    from pipeline.tree_tune import load_tree
 
+    if text.endswith(".json"):
+        return load_tree(text)
     dynamic = text.startswith("dyn:")
     branching, _, nodes = text.removeprefix("dyn:").partition(":")
-    return TreeConfig(tuple(int(b) for b in branching.split(",")), int(nodes) if nodes else None, dynamic=dynamic)
+    try:
+        return TreeConfig(tuple(int(b) for b in branching.split(",")), int(nodes) if nodes else None,
+                          dynamic=dynamic)
+    except ValueError as e:
+        raise ValueError(f"bad tree {text!r}: BRANCHING[:MAX_NODES], dyn:BRANCHING:MAX_NODES or FILE.json ({e})")
+
+
+def tree_name(t) -> str:
+    """A tree's name in a table: its file's shape, a dynamic or static branching and budget."""
+    if t.paths is not None:
+        return f"tuned tree ({len(t.paths)} nodes, depth {len(t.branching)})"
+    return (f"{'dynamic ' if t.dynamic else ''}tree {','.join(map(str, t.branching))}"
+            + (f" budget {t.max_nodes}" if t.max_nodes else ""))
 
 
 def verify_costs(target, k: int, trees, context: int, reps: int) -> dict[str, float]:
     """Median seconds of one verify pass: the chain's K + 1 tokens, and each tree's n + 1 tokens with its mask."""
-    import torch
-
-    from pipeline.models.tree_attention import TreeMask
     from pipeline.tree import tree_shape
+    from pipeline.tree_tune import verify_seconds
 
-    target.allocate(1, context + 80)
-    target.forward(torch.randint(100, 5000, (1, context)), torch.tensor([0]), torch.tensor([0]), context - 1)
-    calls = {f"chain K={k}": (k + 1, None)}
+    passes: dict = {f"chain K={k}": k + 1}
     for t in trees:
         shape = tree_shape(t)
-        parents = torch.tensor([[-1] + [p + 1 for p in shape.parents]])
-        calls[f"tree {t.branching} ({shape.num_nodes} nodes)"] = (shape.num_nodes + 1, TreeMask(parents))
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(reps):
-        for name, (T, tree) in calls.items():
-            tokens = torch.randint(100, 5000, (1, T))
-            t0 = time.perf_counter()
-            target.forward(tokens, torch.tensor([context]), torch.tensor([0]), tree=tree)
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+        passes[f"{tree_name(t)} ({shape.num_nodes} nodes)"] = shape
+    return verify_seconds(target, passes, context, reps)
 
 
 def main() -> int:
@@ -61,7 +64,8 @@ def main() -> int:
     p.add_argument("--data", default=SPEC_BENCH)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("-k", type=int, default=4, help="the chain's K (and the trees' depth cap)")
-    p.add_argument("--trees", default="3,2,2,1:8;4,2,2,1:12", help="';'-separated BRANCHING[:MAX_NODES]")
+    p.add_argument("--trees", default="3,2,2,1:8;4,2,2,1:12",
+                   help="';'-separated BRANCHING[:MAX_NODES] or FILE.json (a `specserve tune-tree` file)")
     p.add_argument("--draft", default="smollm2-135m-distill")
     p.add_argument("--context", type=int, default=512, help="context length of the verify-cost part")
     p.add_argument("--reps", type=int, default=7)
@@ -86,7 +90,7 @@ def main() -> int:
     config = EngineConfig(max_batch_size=1, max_seq_len=4096)
     engines = {f"chain K={args.k}": SpeculativeEngine(target, tok, drafter, config)}
     for t in trees:
-        engines[f"tree {t.branching} max {t.max_nodes}"] = SpeculativeEngine(
+        engines[tree_name(t)] = SpeculativeEngine(
             target, tok, ModelDrafter(drafter.model), dataclasses.replace(config, tree=t))
     prompts = [json.loads(line)["turns"][0] for line in Path(args.data).read_text().splitlines()[: args.prompts]]
     params = SamplingParams(max_tokens=args.max_tokens, seed=0)

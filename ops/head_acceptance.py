@@ -8,12 +8,12 @@ chains and token trees.
 The engine (`SpeculativeEngine`, the demo target unless `--target`) runs the first `--per-category` Spec-Bench dev
 prompts of each category (first turn, chat template) at fixed K, EOS honoured, `--batch` requests at a time (batching
 changes no output: greedy rows are the target's own, sampled rows are seeded per request, seed = 1000 + prompt index).
-Each drafting (the chain of K, then each `--trees` shape, `ops.bench_tree.parse_tree`'s BRANCHING[:MAX_NODES], with
-K = its depth) and temperature gives tokens per target pass (accepted drafts + the recovered or bonus token, per
-pass) over all requests and per category, the acceptance rate at each draft position (a tree's: at each depth;
-accepted at i / verified at i) and tokens/s (wall clock, the machine's load included). Tokens per pass are the
-engine's own counts of real decoding, not the teacher-forced estimate of `pipeline.distill.evaluate`, and do not
-depend on the machine's speed.
+Each drafting (the chain of K, then each `--trees` shape, `ops.bench_tree.parse_tree`'s BRANCHING[:MAX_NODES] or a
+`specserve tune-tree` file, with K = its depth) and temperature gives tokens per target pass (accepted drafts + the
+recovered or bonus token, per pass) over all requests and per category, the acceptance rate at each draft position
+(a tree's: at each depth; accepted at i / verified at i) and tokens/s (wall clock, the machine's load included).
+Tokens per pass are the engine's own counts of real decoding, not the teacher-forced estimate of
+`pipeline.distill.evaluate`, and do not depend on the machine's speed.
 """
 
 from __future__ import annotations
@@ -45,13 +45,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--trees", default="", help="';'-separated tree shapes BRANCHING[:MAX_NODES] run after the chain")
+    p.add_argument("--trees", default="", help="';'-separated tree shapes run after the chain: BRANCHING[:MAX_NODES], "
+                   "dyn:BRANCHING:MAX_NODES or FILE.json (a `specserve tune-tree` file)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from ops.bench_tree import parse_tree
+    from ops.bench_tree import parse_tree, tree_name
     from pipeline.drafters import build_drafter
     from pipeline.engine import SpeculativeEngine
     from specserve.prompts import SPEC_BENCH_DEV, load_prompts
@@ -63,8 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [(f"chain K={args.k}", engine, args.k)]
     for t in (parse_tree(t) for t in args.trees.split(";") if t):  # a drafter of its own, over the same target
         drafter = build_drafter(args.draft, engine.target.info, engine.tokenizer, args.device, target=engine.target)
-        name = (f"{'dynamic ' if t.dynamic else ''}tree {','.join(map(str, t.branching))}"
-                + (f" budget {t.max_nodes}" if t.max_nodes else ""))
+        name = tree_name(t)
         runs.append((name, SpeculativeEngine(engine.target, engine.tokenizer, drafter,
                                              dataclasses.replace(cfg, tree=t)), len(t.branching)))
     result: dict = {"draft": args.draft, "k": args.k, "max_tokens": args.max_tokens, "prompts": len(samples),

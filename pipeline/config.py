@@ -191,7 +191,8 @@ MAX_TREE_NODES = 64  # the most nodes a token tree may have (the target's cache 
 class TreeConfig:
     """The static shape of a token-tree draft (pipeline.tree.TreeDrafter): every node at depth d gets
     branching[d] children, the draft model's most likely tokens (greedy) or tokens drawn without replacement
-    (sampled); with a node budget, the nodes whose path ranks add up least are kept."""
+    (sampled); with a node budget, the nodes whose path ranks add up least are kept. Or an explicit shape (`paths`,
+    e.g. a tree of `specserve tune-tree`, `pipeline.tree_tune`): every node as its path of sibling ranks."""
 
     branching: tuple[int, ...] = (2, 2, 1, 1)  # children per node at each depth; its length is the tree's depth
     max_nodes: int | None = None  # node budget; None: the full tree (at most MAX_TREE_NODES nodes)
@@ -200,8 +201,22 @@ class TreeConfig:
     # its branching[d] likeliest children, of which the branching[d] likeliest paths are kept to grow on; the
     # max_nodes likeliest paths of all drafted nodes are verified. Sampled batches draft the static shape.
     dynamic: bool = False
+    # An explicit static shape: each node's path of sibling ranks from the pending token ((0,): its favourite child,
+    # (0, 1): that child's second). Closed under parents, each node's children a run of ranks 0..c-1, at most
+    # MAX_TREE_NODES nodes. With paths, branching is derived from them (the most children of a node at each depth;
+    # its length is the tree's depth) and max_nodes and dynamic must be left out.
+    paths: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.paths is not None:
+            object.__setattr__(self, "paths", _check_paths(self.paths))
+            if self.max_nodes is not None or self.dynamic:
+                raise InvalidParam("tree", "an explicit tree shape (paths) is static and has its own node count: "
+                                   "leave out max_nodes and dynamic")
+            widths = [0] * max(len(p) for p in self.paths)
+            for p in self.paths:
+                widths[len(p) - 1] = max(widths[len(p) - 1], p[-1] + 1)
+            object.__setattr__(self, "branching", tuple(widths))
         object.__setattr__(self, "branching", tuple(int(b) for b in self.branching))
         if not self.branching or min(self.branching) < 1:
             raise InvalidParam("tree", f"tree branching must be one or more counts >= 1, got {self.branching}")
@@ -209,6 +224,8 @@ class TreeConfig:
             raise InvalidParam("tree", "a dynamic tree needs a node budget (max_nodes)")
         if self.max_nodes is not None and not 1 <= self.max_nodes <= MAX_TREE_NODES:
             raise InvalidParam("tree", f"tree max_nodes must be in [1, {MAX_TREE_NODES}], got {self.max_nodes}")
+        if self.paths is not None:
+            return
         full, width = 0, 1
         for b in self.branching:
             width *= b
@@ -218,6 +235,27 @@ class TreeConfig:
         if min(full, self.max_nodes or full) > MAX_TREE_NODES:
             raise InvalidParam("tree", f"a tree of branching {self.branching} has {full if full <= 4096 else '>4096'}"
                                f" nodes; at most {MAX_TREE_NODES} (set max_nodes)")
+
+
+def _check_paths(paths) -> tuple[tuple[int, ...], ...]:
+    """`TreeConfig.paths` as tuples, checked (its comment); InvalidParam naming the first fault."""
+    try:
+        out = tuple(tuple(int(r) for r in p) for p in paths)
+    except (TypeError, ValueError):
+        raise InvalidParam("tree", "tree paths must be lists of sibling ranks (integers)") from None
+    kept = set(out)
+    if not out or len(kept) != len(out) or len(out) > MAX_TREE_NODES:
+        raise InvalidParam("tree", f"tree paths must be 1 to {MAX_TREE_NODES} distinct nodes, got {len(out)} "
+                           f"({len(kept)} distinct)")
+    for p in out:
+        if not p or min(p) < 0:
+            raise InvalidParam("tree", f"a tree path is one or more ranks >= 0, got {list(p)}")
+        if len(p) > 1 and p[:-1] not in kept:
+            raise InvalidParam("tree", f"tree node {list(p)} has no parent {list(p[:-1])}")
+        if p[-1] > 0 and p[:-1] + (p[-1] - 1,) not in kept:
+            raise InvalidParam("tree", f"tree node {list(p)} has no sibling of rank {p[-1] - 1} (each node's "
+                               "children are ranks 0..c-1)")
+    return out
 
 
 @dataclass

@@ -4,7 +4,8 @@ static shape, the target verifies every node in one pass with a tree attention m
 
 The shape (`TreeShape`, from a `TreeConfig`): every node at depth d gets branching[d] children; with a node budget
 the nodes whose sibling ranks along their path add up least are kept (rank 0: the draft's favourite), which keeps
-the tree closed under parents and each node's kept children a run of ranks 0..c-1. Nodes are numbered breadth
+the tree closed under parents and each node's kept children a run of ranks 0..c-1. Or the config's explicit rank
+paths (`TreeConfig.paths`: a tree of `specserve tune-tree`, `pipeline.tree_tune`). Nodes are numbered breadth
 first, children in rank order, so a node's parent precedes it and the first n nodes of a level-truncated tree are
 a tree too.
 
@@ -61,10 +62,10 @@ class TreeShape:
 
 
 def tree_shape(config: TreeConfig) -> TreeShape:
-    """The nodes of `config`'s tree (module docstring), breadth first."""
-    paths: list[tuple[int, ...]] = []  # each node as its path of sibling ranks
+    """The nodes of `config`'s tree (module docstring; its explicit `paths` where given), breadth first."""
+    paths: list[tuple[int, ...]] = list(config.paths or ())  # each node as its path of sibling ranks
     level = [()]
-    for b in config.branching:
+    for b in config.branching if config.paths is None else ():
         level = [p + (r,) for p in level for r in range(b)]
         paths += level
     if config.max_nodes is not None:  # a parent sorts before its children: the kept set is closed under parents

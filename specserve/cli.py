@@ -21,10 +21,11 @@ from specserve import (
     cmd_load,
     cmd_otlp_receiver,
     cmd_serve,
+    cmd_tune_tree,
 )
 
 SUBCOMMANDS = (cmd_generate, cmd_serve, cmd_bench, cmd_bench_serve, cmd_distill, cmd_load, cmd_otlp_receiver,
-               cmd_chaos)
+               cmd_chaos, cmd_tune_tree)
 USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError, ConnectionError, TimeoutError)
 
 

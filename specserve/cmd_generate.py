@@ -45,10 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_tree_arguments(p: argparse.ArgumentParser) -> None:
     """--tree and --tree-nodes (`specserve generate` and `specserve bench`)."""
-    p.add_argument("--tree", default=None, metavar="B1,B2,...",
-                   help="draft a token tree instead of a chain: children per node at each depth (e.g. 3,2,1); needs "
-                        "a draft model or a feature head ('eagle3:DIR', 'medusa:DIR'; a 'lookup+WORD' drafter drafts "
-                        "with its WORD); -k caps the depth")
+    p.add_argument("--tree", default=None, metavar="B1,B2,...|FILE.json",
+                   help="draft a token tree instead of a chain: children per node at each depth (e.g. 3,2,1), or a "
+                        "tree file of `specserve tune-tree`; needs a draft model or a feature head ('eagle3:DIR', "
+                        "'medusa:DIR'; a 'lookup+WORD' drafter drafts with its WORD); -k caps the depth")
     p.add_argument("--tree-nodes", type=int, default=None, help="node budget of --tree (default: the full tree)")
     p.add_argument("--tree-dynamic", action="store_true", help="EAGLE-2's dynamic tree (an EAGLE-3 head, greedy): "
                    "--tree's counts are nodes kept to grow on and children each, per depth; needs --tree-nodes")
@@ -57,11 +57,17 @@ def add_tree_arguments(p: argparse.ArgumentParser) -> None:
 def tree_config(args: argparse.Namespace):  # -> pipeline.config.TreeConfig | None
     """The `TreeConfig` of --tree and --tree-nodes, or None (chains)."""
     from pipeline.config import TreeConfig
+    from pipeline.tree_tune import load_tree
 
     if args.tree is None:
         if args.tree_nodes is not None or args.tree_dynamic:
             raise ValueError("--tree-nodes and --tree-dynamic need --tree")
         return None
+    if not args.tree.replace(",", "").strip().isdigit():  # a tree file
+        if args.tree_nodes is not None or args.tree_dynamic:
+            raise ValueError(f"a tree file ({args.tree}) is a static shape of its own: it takes no --tree-nodes or "
+                             "--tree-dynamic")
+        return load_tree(args.tree)
     try:
         branching = tuple(int(b) for b in args.tree.split(","))
     except ValueError:

@@ -126,7 +126,8 @@ def run_bench(
     return {
         "machine": machine(), "date": time.strftime("%Y-%m-%d"), "target": target_path, "draft": draft,
         "k": k, "tree": None if tree is None else {"branching": list(tree.branching), "max_nodes": tree.max_nodes,
-                                                   "dynamic": tree.dynamic},
+                                                   "dynamic": tree.dynamic,
+                                                   "paths": tree.paths and [list(p) for p in tree.paths]},
         "adaptive_k": engine.k_policy is not None, "dtype": dtype, "draft_weights": draft_weights,
         "max_tokens": max_tokens,
         "methods": methods, "records": records,
@@ -198,6 +199,8 @@ def markdown_table(result: dict[str, Any]) -> str:
 def _tree_words(tree: dict | None) -> str:
     if tree is None:
         return ""
+    if tree.get("paths"):
+        return f", token tree of {len(tree['paths'])} nodes from a tree file (K caps its depth)"
     budget = f", budget {tree['max_nodes']}" if tree["max_nodes"] else ""
     return f", token tree {','.join(map(str, tree['branching']))}{budget} (K caps its depth)"
 

@@ -268,8 +268,12 @@ def test_negative_controls_fail_the_tree_test(broken, temperature):
 PROMPTS = [[5, 17, 33, 17, 33, 9], [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [100, 7]]
 
 
-@pytest.mark.parametrize("tree", [TreeConfig((3, 2, 1)), TreeConfig((4, 2, 2, 1), max_nodes=9)],
-                         ids=["3x2x1", "budget-9"])
+# an explicit shape (TreeConfig.paths, e.g. a `specserve tune-tree` file): wide at the root, deeper on rank 0
+EXPLICIT_TREE = TreeConfig(paths=((0,), (1,), (2,), (0, 0), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)))
+
+
+@pytest.mark.parametrize("tree", [TreeConfig((3, 2, 1)), TreeConfig((4, 2, 2, 1), max_nodes=9), EXPLICIT_TREE],
+                         ids=["3x2x1", "budget-9", "explicit"])
 @pytest.mark.parametrize("drafter", ["draft", "self"])
 def test_greedy_trees_equal_the_targets_output(tiny_models, target, tree, drafter):
     cfg = EngineConfig(max_batch_size=4, max_seq_len=128)

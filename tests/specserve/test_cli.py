@@ -39,6 +39,8 @@ def _assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> 
         (["--temperature", "warm"], ["invalid float value"]),
         (["--tree-dynamic"], ["need --tree"]),
         (["--tree", "4,4", "--tree-dynamic"], ["dynamic tree needs a node budget"]),
+        (["--tree", "/nonexistent/tree.json"], ["tree file not found", "/nonexistent/tree.json"]),
+        (["--tree", "/nonexistent/tree.json", "--tree-nodes", "4"], ["takes no --tree-nodes"]),
     ],
 )
 def test_bad_input_exits_with_one_line(args, needles):

@@ -172,8 +172,12 @@ def _engine(setup, name: str | None, tree: TreeConfig | None = None, static: boo
     return SpeculativeEngine(model, tok, drafter, EngineConfig(max_batch_size=4, max_seq_len=256, tree=tree))
 
 
-@pytest.mark.parametrize("tree", [TreeConfig((3, 2, 1)), TreeConfig((4, 2, 2, 1), max_nodes=9)],
-                         ids=["3x2x1", "budget-9"])
+# an explicit shape (TreeConfig.paths, e.g. a `specserve tune-tree` file): wide at the root, deeper on rank 0
+EXPLICIT_TREE = TreeConfig(paths=((0,), (1,), (2,), (0, 0), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)))
+
+
+@pytest.mark.parametrize("tree", [TreeConfig((3, 2, 1)), TreeConfig((4, 2, 2, 1), max_nodes=9), EXPLICIT_TREE],
+                         ids=["3x2x1", "budget-9", "explicit"])
 @pytest.mark.parametrize("name", ["eagle3", "medusa"])
 @pytest.mark.parametrize("path", ["eager", "static"])
 def test_greedy_head_trees_equal_the_targets_output(setup, name, tree, path):
