@@ -122,11 +122,14 @@ class TargetConfig(_Strict):
 class TreeSpec(_Strict):
     """A token tree for the feature head in the target worker: `pipeline.config.TreeConfig`'s fields."""
 
-    branching: list[int] = Field(min_length=1, description="Children per node at each depth (the tree's depth is "
-                                 "its length); with `dynamic`, nodes kept to grow on and children each, per depth.")
+    branching: list[int] = Field(default_factory=list, description="Children per node at each depth (the tree's "
+                                 "depth is its length); with `dynamic`, nodes kept to grow on and children each, per "
+                                 "depth. Left out with `paths`.")
     max_nodes: Optional[int] = Field(None, ge=1, description="Node budget; None: the full tree.")
     dynamic: bool = Field(False, description="EAGLE-2's dynamic tree (an EAGLE-3 head, greedy requests; sampled "
                           "requests draft the static shape). Needs max_nodes.")
+    paths: Optional[list[list[int]]] = Field(None, description="An explicit shape: every node as its path of sibling "
+                                              "ranks (the `paths` of a `specserve tune-tree` file).")
 
     @model_validator(mode="after")
     def _valid(self) -> "TreeSpec":
@@ -134,7 +137,9 @@ class TreeSpec(_Strict):
         return self
 
     def config(self) -> TreeConfig:
-        return TreeConfig(tuple(self.branching), self.max_nodes, dynamic=self.dynamic)
+        paths = None if self.paths is None else tuple(tuple(p) for p in self.paths)
+        branching = tuple(self.branching) or ((1,) if paths else ())  # with paths, TreeConfig derives it
+        return TreeConfig(branching, self.max_nodes, dynamic=self.dynamic, paths=paths)
 
 
 class DrafterConfig(_Strict):

@@ -51,3 +51,7 @@ def test_token_trees_take_a_feature_head_alone_in_the_target():
         DrafterConfig(draft="eagle3:/heads/e3", tree={"branching": [2, 2], "dynamic": True})
     with pytest.raises(ValidationError):
         DrafterConfig(draft="eagle3:/heads/e3", tree={"branching": []})
+    tuned = DrafterConfig(draft="eagle3:/heads/e3", tree={"paths": [[0], [1], [0, 0], [0, 1], [1, 0]]}).tree.config()
+    assert tuned.branching == (2, 2) and len(tuned.paths) == 5
+    with pytest.raises(ValidationError, match="closed under parents|parent"):
+        DrafterConfig(draft="eagle3:/heads/e3", tree={"paths": [[0], [1, 0]]})
