@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from ops.gpu_bench import time_fn
 from pipeline.config import TreeConfig
 from pipeline.models.graphs import GraphCausalLM, GraphConfig
 from pipeline.models.shapes import SHAPES, random_llama
@@ -37,18 +37,9 @@ from pipeline.models.tree_attention import TreeMask, compact_indices
 from pipeline.tree import tree_shape
 
 
-def time_ms(fn, iters: int = 50, warmup: int = 5) -> float:
-    """Median milliseconds of fn() timed with CUDA events, calls back to back."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
+def time_ms(fn) -> float:
+    """Median milliseconds of fn() timed with CUDA events, calls back to back (`ops.gpu_bench.time_fn`)."""
+    return time_fn(fn, iters=50, warmup=5)["median_ms"]
 
 
 def bench_shape(shape: str, dtype: torch.dtype, nodes: list[int], branching: tuple[int, ...], context: int,
