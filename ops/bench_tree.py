@@ -18,32 +18,9 @@ import sys
 import time
 from pathlib import Path
 
+from pipeline.tree_tune import parse_tree, tree_name
+
 SPEC_BENCH = "/work/shared/data/spec_bench_dev.jsonl"
-
-
-def parse_tree(text: str):
-    """'3,2,2,1:8' -> TreeConfig((3, 2, 2, 1), max_nodes=8); 'dyn:4,4,4,4:12' -> the same, dynamic=True; a path to
-    a `specserve tune-tree` file (FILE.json) -> its shape."""
-    from pipeline.config import TreeConfig
-    from pipeline.tree_tune import load_tree
-
-    if text.endswith(".json"):
-        return load_tree(text)
-    dynamic = text.startswith("dyn:")
-    branching, _, nodes = text.removeprefix("dyn:").partition(":")
-    try:
-        return TreeConfig(tuple(int(b) for b in branching.split(",")), int(nodes) if nodes else None,
-                          dynamic=dynamic)
-    except ValueError as e:
-        raise ValueError(f"bad tree {text!r}: BRANCHING[:MAX_NODES], dyn:BRANCHING:MAX_NODES or FILE.json ({e})")
-
-
-def tree_name(t) -> str:
-    """A tree's name in a table: its file's shape, a dynamic or static branching and budget."""
-    if t.paths is not None:
-        return f"tuned tree ({len(t.paths)} nodes, depth {len(t.branching)})"
-    return (f"{'dynamic ' if t.dynamic else ''}tree {','.join(map(str, t.branching))}"
-            + (f" budget {t.max_nodes}" if t.max_nodes else ""))
 
 
 def verify_costs(target, k: int, trees, context: int, reps: int) -> dict[str, float]:

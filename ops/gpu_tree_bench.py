@@ -89,10 +89,10 @@ def bench_engine(shape: str, trees: list[str], max_tokens: int, context: int, de
     import tempfile
 
     from ops.bench_device_loop import random_head
-    from ops.bench_tree import parse_tree
     from pipeline.config import EngineConfig, SamplingParams, SpecParams
     from pipeline.drafters import build_drafter
     from pipeline.engine import SpeculativeEngine
+    from pipeline.tree_tune import parse_tree
 
     dev = torch.device(device)
     target = GraphCausalLM(random_llama(shape, dev, torch.float32, seed=0))
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-k", type=int, default=4, help="the chain step compared with")
     p.add_argument("--part", choices=("verify", "engine"), default="verify")
     p.add_argument("--trees", default="dyn:4,4,4,4,4:16;dyn:6,6,6,6,6:24;3,2,2,1:8",
-                   help="(engine part) trees as `ops.bench_tree` names them, ';'-separated")
+                   help="(engine part) trees as `pipeline.tree_tune.parse_tree` reads them, ';'-separated")
     p.add_argument("--device", default="cuda", help="(engine part) cpu: a dry run of the script")
     p.add_argument("--max-tokens", type=int, default=64, help="(engine part) tokens generated per run")
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))

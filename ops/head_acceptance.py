@@ -8,7 +8,7 @@ chains and token trees.
 The engine (`SpeculativeEngine`, the demo target unless `--target`) runs the first `--per-category` Spec-Bench dev
 prompts of each category (first turn, chat template) at fixed K, EOS honoured, `--batch` requests at a time (batching
 changes no output: greedy rows are the target's own, sampled rows are seeded per request, seed = 1000 + prompt index).
-Each drafting (the chain of K, then each `--trees` shape, `ops.bench_tree.parse_tree`'s BRANCHING[:MAX_NODES] or a
+Each drafting (the chain of K, then each `--trees` shape, `pipeline.tree_tune.parse_tree`'s BRANCHING[:MAX_NODES] or a
 `specserve tune-tree` file, with K = its depth) and temperature gives tokens per target pass (accepted drafts + the
 recovered or bonus token, per pass) over all requests and per category, the acceptance rate at each draft position
 (a tree's: at each depth; accepted at i / verified at i) and tokens/s (wall clock, the machine's load included).
@@ -52,9 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from ops.bench_tree import parse_tree, tree_name
     from pipeline.drafters import build_drafter
     from pipeline.engine import SpeculativeEngine
+    from pipeline.tree_tune import parse_tree, tree_name
     from specserve.prompts import SPEC_BENCH_DEV, load_prompts
 
     samples = load_prompts(SPEC_BENCH_DEV, args.per_category)

@@ -340,3 +340,26 @@ def load_costs(path: str | Path) -> Costs:
         return Costs.from_json(obj)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
+
+
+def parse_tree(text: str) -> TreeConfig:
+    """A tree word of the tree benchmarks (`ops/bench_tree.py`, `ops/head_acceptance.py --trees`): '3,2,2,1:8' ->
+    TreeConfig((3, 2, 2, 1), max_nodes=8); 'dyn:4,4,4,4:12' -> the same, dynamic=True; a path to a `specserve
+    tune-tree` file (FILE.json) -> its shape."""
+    if text.endswith(".json"):
+        return load_tree(text)
+    dynamic = text.startswith("dyn:")
+    branching, _, nodes = text.removeprefix("dyn:").partition(":")
+    try:
+        return TreeConfig(tuple(int(b) for b in branching.split(",")), int(nodes) if nodes else None,
+                          dynamic=dynamic)
+    except ValueError as e:
+        raise ValueError(f"bad tree {text!r}: BRANCHING[:MAX_NODES], dyn:BRANCHING:MAX_NODES or FILE.json ({e})")
+
+
+def tree_name(t: TreeConfig) -> str:
+    """A tree's name in a table: its file's shape, a dynamic or static branching and budget."""
+    if t.paths is not None:
+        return f"tuned tree ({len(t.paths)} nodes, depth {len(t.branching)})"
+    return (f"{'dynamic ' if t.dynamic else ''}tree {','.join(map(str, t.branching))}"
+            + (f" budget {t.max_nodes}" if t.max_nodes else ""))

@@ -1,16 +1,15 @@
 """`specserve tune-tree`: the best static token tree for a drafter, a target and this machine (Sequoia; the model
 and the optimiser are `pipeline.tree_tune`).
 
-    specserve tune-tree --out trees/eagle3-cpu.json                       # the demo target and its EAGLE-3 head
+    specserve tune-tree --prompts prompts.jsonl --out trees/eagle3-cpu.json   # the demo target, its EAGLE-3 head
     specserve tune-tree --acceptance trees/eagle3-cpu.json --costs h200.json --out trees/eagle3-h200.json
     specserve generate --draft eagle3:smollm2-135m-eagle3 --tree trees/eagle3-cpu.json -k 6 --prompt ...
 
 1. Acceptance by depth and rank: the engine decodes distillation prompts greedily (`--prompts`, a file of
-   `python -m ops.distill.build_prompts`; in a checkout without one, prompts are built from the same offline
-   sources; never the Spec-Bench evaluation set) drafting a wide measurement tree (`measurement_tree`: `--ranks`
-   candidates under each rank-0 node to `--max-depth`, filled to `--measure-nodes` nodes), and each pass's accepted
-   path gives, at each depth, which ranks were drafted and which one held the target's token. Or `--acceptance
-   FILE` (a tree file, or {"rank_acceptance": [[...], ...]}).
+   `python -m ops.distill.build_prompts` in a checkout; never the Spec-Bench evaluation set) drafting a wide
+   measurement tree (`measurement_tree`: `--ranks` candidates under each rank-0 node to `--max-depth`, filled to
+   `--measure-nodes` nodes), and each pass's accepted path gives, at each depth, which ranks were drafted and which
+   one held the target's token. Or `--acceptance FILE` (a tree file, or {"rank_acceptance": [[...], ...]}).
 2. Costs on this machine: the target's verify pass over n + 1 tokens with the tree mask for n = 1..--max-nodes, at
    a `--context`-token context (the least of `--reps` interleaved passes: load on a shared machine only adds; the
    table is kept as measured, since a pass over more tokens can cost less where the kernels change), and one draft
@@ -50,7 +49,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--measure-nodes", type=int, default=48,
                    help="nodes of the measurement tree (up to 64): --ranks children of every rank-0 node, then the "
                         "nodes whose ranks add up least")
-    p.add_argument("--seed", type=int, default=0, help="which built prompts (without --prompts)")
     p.add_argument("--context", type=int, default=512, help="context length of the verify-cost passes")
     p.add_argument("--reps", type=int, default=5, help="timed passes per size (their median is kept)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -70,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--num-prompts and --max-tokens must be >= 1")
     accept = load_rank_acceptance(args.acceptance) if args.acceptance else None
     costs = load_costs(args.costs) if args.costs else None
+    if accept is None and not args.prompts:
+        raise ValueError("measuring acceptance needs --prompts FILE (distillation prompts: python -m "
+                         "ops.distill.build_prompts in a checkout) or --acceptance FILE")
     about: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "draft": args.draft,
                              "target": args.target or "demo", "acceptance_from": args.acceptance,
                              "costs_from": args.costs}
@@ -115,30 +116,17 @@ def _engine(args: argparse.Namespace):
 
 
 def _prompts(args: argparse.Namespace, tokenizer) -> tuple[list[list[int]], str]:
-    """Token ids of the measurement prompts (`--prompts`, or built), and where they came from."""
-    from pipeline.distill.prompts import load_prompts, prompt_from_row
+    """Token ids of the measurement prompts (`--prompts`), and where they came from."""
+    from pipeline.distill.prompts import load_prompts
     from specserve.prompts import SPEC_BENCH_DEV
 
-    if args.prompts:
-        path = Path(args.prompts)
-        if not path.is_file():
-            raise FileNotFoundError(f"prompt file not found: {path}")
-        if path.resolve() == SPEC_BENCH_DEV.resolve() or "spec_bench" in path.name:
-            raise ValueError(f"{path} is the evaluation set: tune on distillation prompts, never on it")
-        prompts = load_prompts(path, tokenizer)[: args.num_prompts]
-        return [p.ids for p in prompts], str(path)
-    try:
-        from ops.distill.build_prompts import MIX, Builder, check_overlap
-    except ImportError:
-        raise ValueError("give --prompts FILE (python -m ops.distill.build_prompts): this installation has no "
-                         "prompt builder") from None
-    builder = Builder(args.seed, man_limit=50)
-    cats = list(MIX)
-    rows = [builder.make(builder.rng.choices(cats, [MIX[c] for c in cats])[0]) for _ in range(args.num_prompts)]
-    if check_overlap(rows, str(SPEC_BENCH_DEV)):
-        raise ValueError("the built prompts share 8-grams with the Spec-Bench evaluation set; try another --seed")
-    return ([prompt_from_row(r, tokenizer).ids for r in rows],
-            f"ops.distill.build_prompts (seed {args.seed}, {args.num_prompts} prompts)")
+    path = Path(args.prompts)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file not found: {path}")
+    if path.resolve() == SPEC_BENCH_DEV.resolve() or "spec_bench" in path.name:
+        raise ValueError(f"{path} is the evaluation set: tune on distillation prompts, never on it")
+    prompts = load_prompts(path, tokenizer)[: args.num_prompts]
+    return [p.ids for p in prompts], str(path)
 
 
 def measurement_tree(ranks: int, depth: int, nodes: int):  # -> TreeConfig

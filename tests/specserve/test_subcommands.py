@@ -18,7 +18,7 @@ from specserve.prompts import SPEC_BENCH_DEV, load_prompts
 def test_the_cli_lists_every_subcommand():
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     assert set(sub.choices) == {"generate", "serve", "bench", "bench-serve", "distill", "load", "otlp-receiver",
-                                "chaos"}
+                                "chaos", "tune-tree"}
 
 
 def test_bench_has_no_path_loaded_gpu_mode():

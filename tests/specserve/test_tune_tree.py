@@ -51,6 +51,7 @@ def test_tune_tree_writes_a_tree_the_engine_loads(files, capsys):
     (["--max-nodes", "0"], "--max-nodes must be in [1, 64]"),
     (["--max-nodes", "65"], "--max-nodes must be in [1, 64]"),
     (["--costs", "{bad}"], "cost table not found"),
+    ([], "measuring acceptance needs --prompts FILE"),
 ])
 def test_bad_input_is_one_line(files, capsys, args, needle):
     code = main(["tune-tree", "--out", str(files / "t.json"), *args])

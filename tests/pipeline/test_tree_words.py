@@ -1,4 +1,4 @@
-"""`ops.bench_tree.parse_tree`: the tree words of the tree benchmarks (`--trees`), a tune-tree file among them."""
+"""`pipeline.tree_tune.parse_tree`: the tree words of the tree benchmarks (`--trees`), a tune-tree file among them."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from ops.bench_tree import parse_tree, tree_name
 from pipeline.config import TreeConfig
+from pipeline.tree_tune import parse_tree, tree_name
 
 
 def test_tree_words_and_files(tmp_path):
