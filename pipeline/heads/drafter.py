@@ -207,9 +207,7 @@ class HeadDrafter:
                 return _scatter_rows(B, active, self._dynamic_tree(rows_, depth, [caps[b] for b in active], sub, u),
                                      width)
             if self.eagle:
-                logits, r = self._read(rows_)
-                slots = torch.tensor([s.slot for s in rows_], dtype=torch.int64)
-                pending = torch.tensor([s.fed for s in rows_], dtype=torch.int64)  # the tree region starts there
+                logits, r, pending, slots = self._tree_start(rows_)
                 out = eagle3_tree(self.head, logits, r, pending, slots, shape, depth, sub, u, width, self._out_ids)
             else:
                 feats = torch.stack([s.features[-1][-1] for s in rows_]).to(dev)  # [A, C]
@@ -219,6 +217,13 @@ class HeadDrafter:
         parents = torch.tensor(shape.parents, dtype=torch.int64, device=dev).expand(B, N).contiguous()
         num = torch.tensor([shape.nodes_within(c) for c in caps], dtype=torch.int64, device=dev)
         return DraftBlock(tokens, num, top_ids, top_probs, parents)
+
+    def _tree_start(self, states: list[_Row]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows' unread pairs read eagerly -> the first level's logits [A, V'] and r [A, C], the pending positions
+        (where the tree region starts) and the head's slots [A] (host tensors)."""
+        logits, r = self._read(states)
+        return (logits, r, torch.tensor([s.fed for s in states], dtype=torch.int64),
+                torch.tensor([s.slot for s in states], dtype=torch.int64))
 
     def _dynamic_tree(self, states: list[_Row], depth: int, caps: list[int], sampling: SamplingTensors,
                       u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -230,9 +235,7 @@ class HeadDrafter:
         region = sum(branching[:-1])  # pairs the head's tree calls feed from the pending position on
         span = head_span_for(max(s.fed for s in states) + width + region, self.head.max_len)
         if not (self.static and span is not None):
-            logits, r = self._read(states)
-            slots = torch.tensor([s.slot for s in states], dtype=torch.int64)
-            pending = torch.tensor([s.fed for s in states], dtype=torch.int64)  # the tree region starts there
+            logits, r, pending, slots = self._tree_start(states)
             return eagle3_dynamic_tree(self.head, logits, r, pending, slots, branching, self.dynamic.max_nodes,
                                        torch.tensor(caps), self._out_ids)
         for s in states:

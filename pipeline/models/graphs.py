@@ -435,8 +435,7 @@ class GraphCausalLM:
         shape = self.shape_for(B, T, max_pos) if self._tree_fits(tree, stream) else None
         if shape is None:
             self.stats.eager_calls += 1
-            return self.runner.forward(tokens, positions, slots, logits_from, stream=stream,
-                                       **({"tree": tree} if tree is not None else {}))
+            return self.runner.forward(tokens, positions, slots, logits_from, tree=tree, stream=stream)
         Bb, Tb, Sb = shape
         tok_buf, pos_buf, slot_buf = self._bufs
         self._set_inputs(tokens, positions, slots, Bb, Tb, tree)
@@ -485,8 +484,7 @@ class GraphCausalLM:
             logits, feats = self.forward_static_features(tokens.to(dev), positions.to(dev), slots.to(dev), layers)
             return logits.clone(), feats.clone()
         self.stats.eager_calls += 1
-        return self.runner.forward_features(tokens, positions, slots, layers, logits_from,
-                                            **({"tree": tree} if tree is not None else {}))
+        return self.runner.forward_features(tokens, positions, slots, layers, logits_from, tree=tree)
 
     supports_tree = True  # `forward(..., tree=)`, `forward_features(..., tree=)` and `compact`
 
