@@ -187,9 +187,8 @@ class DrafterConfig(_Strict):
         if v in ("prompt_lookup", "hybrid", "model", "default", "") or v == HYBRID_PREFIX:
             raise ValueError(f"drafter.draft={v!r}: use the CLI's words: '{PROMPT_LOOKUP}', '{SUFFIX}', a draft model "
                              f"(folder, .gguf or shipped name), '{HYBRID_PREFIX}MODEL' or '{NO_DRAFT}'")
-        if is_synthetic(v):
-            parse_synthetic(v)  # a ValueError names the expected form
-        if is_self(v) or (v.startswith(HYBRID_PREFIX) and is_self(v[len(HYBRID_PREFIX):])):
+        self_timed = is_synthetic(v) and parse_synthetic(v).self_timed  # a ValueError names the expected form
+        if self_timed or is_self(v) or (v.startswith(HYBRID_PREFIX) and is_self(v[len(HYBRID_PREFIX):])):
             raise ValueError(f"drafter.draft={v!r}: self-speculation drafts with the target's own cache, in process "
                              "only (specserve generate, bench, SpeculativeEngine); Serve does not place it")
         return v

@@ -14,11 +14,14 @@ measured figure at 8k context, window 512, K = 4, docs/benchmarks.md; and tau fo
 tau = sum_{i<=K} alpha^i), the speculation speedup over target-only = tau * decode / (K * draft + verify), and the
 break-even tau. The bandwidth floor of each step (bytes read / the card's copy bandwidth) is printed beside it.
 
-`--engine` (default on): a real engine run too: B prompts of random tokens prefilled (chunked), then greedy decoding
-of `--max-tokens` tokens per stream, target-only against the engine's automatic choice (a prompt-lookup drafter
-configured; the engine picks self-speculation for these long prompts, logged): tokens/s of the whole batch and the
-acceptance the random weights give (not the demo model's: labelled). Outputs are checked equal token for token.
-Writes `gpu_magicdec.json` to `--out`.
+`--engine` (default on): real engine runs too, at the K with the best projected speedup: B prompts of random tokens
+prefilled (chunked), then greedy decoding of `--max-tokens` tokens per stream, target-only against self-speculation
+with **synthetic acceptance** (`synthetic:ALPHA:self:RECORDING`, pipeline.synthetic: the target's own windowed draft
+forwards run for their time, and the drafts are the target-only run's recorded output, each position kept with
+probability alpha, `--alphas`): tokens/s of the whole batch, ms per step, tokens per target pass. Random weights accept
+nothing of their own, hence the synthetic drafts; the embedding margin (`--margin`) keeps the bf16 greedy output
+independent of the pass shapes, so the recording stays the target's output. Outputs are checked equal token for
+token. Writes `gpu_magicdec.json` to `--out`.
 """
 
 from __future__ import annotations
@@ -92,12 +95,16 @@ def step_times(g, B: int, context: int, ks: list[int], window: int, sinks: int) 
     return out
 
 
-def engine_run(g, B: int, context: int, k: int, max_tokens: int) -> dict:
-    """Target-only against the engine's automatic choice, greedy, from one chunked prefill of every stream."""
+def engine_run(g, B: int, context: int, k: int, max_tokens: int, alphas: list[float], window: int, sinks: int,
+               out: Path) -> dict:
+    """Target-only against self-speculation with synthetic acceptance (`synthetic:ALPHA:self:RECORDING`: the
+    target's own windowed draft forwards, the recorded target-only continuation kept with probability alpha per
+    position), greedy, every stream prefilled once (chunked). Each method runs twice from that prefill: the first
+    run captures every graph shape it meets (rows drop out as streams finish), the second is timed."""
     from pipeline.config import EngineConfig, SamplingParams, SpecParams
-    from pipeline.drafters import PromptLookupDrafter
     from pipeline.engine import SpeculativeEngine
     from pipeline.sequence import RequestState
+    from pipeline.synthetic import Recording, SyntheticSelfDrafter, expected_tokens_per_pass
 
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, g.info.vocab_size, (context,), generator=gen).tolist() for _ in range(B)]
@@ -112,42 +119,52 @@ def engine_run(g, B: int, context: int, k: int, max_tokens: int) -> dict:
                           n - 1)
     sync(g.device)
     log(f"prefill {B} x {context}: {time.perf_counter() - t0:.1f} s")
-    cfg = EngineConfig(max_batch_size=B, max_seq_len=context + max_tokens, device=str(g.device), dtype="bfloat16")
-    out: dict = {}
-    outputs = {}
-    for name, drafter in (("target-only", None), ("auto (self-speculation)", PromptLookupDrafter())):
+    # No automatic choice: each run's drafter is the one named.
+    cfg = EngineConfig(max_batch_size=B, max_seq_len=context + max_tokens, device=str(g.device), dtype="bfloat16",
+                       self_spec_min_context=0)
+
+    def run(drafter, k_run: int) -> tuple[dict, list[list[int]]]:
         engine = SpeculativeEngine(g, None, drafter, cfg)
-        states = [RequestState(request_id=f"r{i}", prompt_ids=p, eos_token_ids=(),
-                               params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=0))
-                  for i, p in enumerate(prompts)]
-        if engine.drafter is not None:  # what the engine's prefill does, after the chunked prefill above
-            log(f"drafter chosen: {engine.drafter.name}")
-            assign = getattr(engine.drafter, "assign_slot", None)
-            for slot, s in enumerate(states):
-                if assign is not None:
-                    assign(s.request_id, slot)
-                engine.drafter.admit(s.request_id, s.context)
-        spec = SpecParams(k if drafter is not None else 0)
-        engine.step(states, list(range(B)), spec)  # first step: graph captures (not timed)
-        sync(g.device)
-        first = sum(len(s.output_ids) for s in states)
-        t0 = time.perf_counter()
-        steps = 0
-        while not all(s.finished for s in states):
-            live = [(s, i) for i, s in enumerate(states) if not s.finished]
-            engine.step([s for s, _ in live], [i for _, i in live], spec)
-            steps += 1
-        sync(g.device)
-        wall = time.perf_counter() - t0
-        tokens = sum(len(s.output_ids) for s in states) - first
+        spec = SpecParams(k_run)
+        for timed in (False, True):
+            states = [RequestState(request_id=f"r{i}", prompt_ids=p, eos_token_ids=(),
+                                   params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=0))
+                      for i, p in enumerate(prompts)]
+            if drafter is not None:  # what the engine's prefill does, after the chunked prefill above
+                for slot, s in enumerate(states):
+                    drafter.assign_slot(s.request_id, slot)
+                    drafter.admit(s.request_id, s.context)
+            sync(g.device)
+            t0, steps = time.perf_counter(), 0
+            while not all(s.finished for s in states):
+                live = [(s, i) for i, s in enumerate(states) if not s.finished]
+                engine.step([s for s, _ in live], [i for _, i in live], spec)
+                steps += 1
+            sync(g.device)
+            wall = time.perf_counter() - t0
+            if drafter is not None:
+                for s in states:
+                    drafter.release(s.request_id)
+        tokens = sum(len(s.output_ids) for s in states)
         summary = [s.stats.summary() for s in states]
-        out[name] = {"tokens_per_s": tokens / wall, "steps": steps, "wall_s": wall,
-                     "tokens_per_pass": statistics.mean(x["mean_accepted_tokens"] for x in summary),
-                     "acceptance_rate": statistics.mean(x["acceptance_rate"] for x in summary)}
-        outputs[name] = [list(s.output_ids) for s in states]
-        log(f"engine {name}: {out[name]}")
-    out["outputs_equal"] = len({json.dumps(o) for o in outputs.values()}) == 1
-    return out
+        stats = {"tokens_per_s": tokens / wall, "steps": steps, "wall_s": wall, "ms_per_step": 1e3 * wall / steps,
+                 "tokens_per_pass": statistics.mean(x["mean_accepted_tokens"] for x in summary)}
+        return stats, [list(s.output_ids) for s in states]
+
+    base, want = run(None, 0)
+    log(f"engine target-only: {base}")
+    recording = out / f"magicdec_recording_{context}.json"
+    out.mkdir(parents=True, exist_ok=True)
+    Recording(prompts, want, g.info.vocab_size).save(recording)
+    result: dict = {"target-only": base, "synthetic": {}}
+    for alpha in alphas:
+        stats, got = run(SyntheticSelfDrafter(g, recording, alpha, window, sinks), k)
+        stats.update(alpha=alpha, expected_tokens_per_pass=expected_tokens_per_pass(alpha, k),
+                     speedup=stats["tokens_per_s"] / base["tokens_per_s"], outputs_equal=got == want)
+        result["synthetic"][alpha] = stats
+        log(f"engine synthetic:{alpha}:self K={k}: {stats}")
+    recording.unlink()  # the prompts are random tokens: nothing worth keeping
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens-per-pass", default=DEMO_TOKENS_PER_PASS,
                    help="K:tau,... for the headline speedup (synthetic acceptance; default: the demo target's)")
     p.add_argument("--engine", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--alphas", default="0.7,0.8",
+                   help="(engine run) synthetic acceptance per drafted position of its self-speculation runs")
+    p.add_argument("--margin", type=float, default=512.0,
+                   help="the random target's embedding scale (pipeline.models.shapes.embedding_margin: a greedy "
+                        "output bf16 rounding does not move, so the recorded continuation stays the target's)")
     p.add_argument("--max-tokens", type=int, default=48, help="(engine run) tokens per stream")
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (tiny shapes), no figures")
@@ -171,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from pipeline.models.graphs import GraphCausalLM
     from pipeline.models.kernel_timing import copy_GBps
-    from pipeline.models.shapes import SHAPES, kv_bytes_per_token, random_llama, weight_bytes_read
+    from pipeline.models.shapes import SHAPES, embedding_margin, kv_bytes_per_token, random_llama, weight_bytes_read
     from pipeline.step import CACHE_SLACK
 
     a, B = SHAPES[args.shape], args.batch
@@ -183,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     bw = copy_GBps(dev) if on_cuda else 10.0  # the CPU smoke test: a nominal bandwidth
     log(f"{name}: copy bandwidth {bw:.0f} GB/s; shape {args.shape}, B={B}, K={ks}, window {args.window}, "
         f"sinks {args.sinks}")
-    runner = random_llama(a, dev, torch.bfloat16)
+    alphas = [float(x) for x in args.alphas.split(",")]
+    runner = embedding_margin(random_llama(a, dev, torch.bfloat16), args.margin)
     g = GraphCausalLM(runner)
     kv_tok, weights = kv_bytes_per_token(a), weight_bytes_read(a)
     result: dict = {"device": name, "shape": args.shape, "batch": B, "ks": ks, "window": args.window,
@@ -219,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         best = max((k for k in ks if k in taus), key=lambda k: r["by_k"][k]["speedup_demo_tau"], default=ks[-1])
         if args.engine:
             try:
-                r["engine"] = engine_run(g, B, context, best, args.max_tokens)
+                r["engine"] = engine_run(g, B, context, best, args.max_tokens, alphas, args.window, args.sinks,
+                                         Path(args.out))
                 r["engine"]["k"] = best
             except Exception as e:  # noqa: BLE001 - the step times above stand; the engine run's error is reported
                 r["engine"] = {"error": f"{type(e).__name__}: {e}"[:300]}
@@ -248,16 +272,20 @@ def table(result: dict, rows: list) -> str:
                          f"{'-' if sp is None else f'{sp:.2f}x'} | {by[0.6]:.2f}x / {by[0.7]:.2f}x / {by[0.8]:.2f}x |")
     engine_rows = [(c, r["engine"]) for c, r in rows if "engine" in r and "error" not in r["engine"]]
     if engine_rows:
-        lines += ["", "| context | engine (greedy, random weights) | K | tokens/s (all streams) | "
-                  "tokens per target pass | x target-only |", "|---|---|---|---|---|---|"]
+        lines += ["", "Engine runs (greedy, random weights; self-speculation with **synthetic acceptance**: the "
+                  "target's own windowed drafts for the time, the recorded target-only continuation kept with "
+                  "probability alpha per position):", "",
+                  "| context | drafter | K | tokens/s (all streams) | ms per step | tokens per target pass "
+                  "(expected) | x target-only | output = target-only |", "|---|---|---|---|---|---|---|---|"]
         for context, e in engine_rows:
-            base = e["target-only"]["tokens_per_s"]
-            for name in ("target-only", "auto (self-speculation)"):
-                x = e[name]
-                k = 0 if name == "target-only" else e["k"]
-                lines.append(f"| {context} | {name} | {k} | {x['tokens_per_s']:.0f} | {x['tokens_per_pass']:.2f} | "
-                             f"{x['tokens_per_s'] / base:.2f}x |")
-            lines.append(f"| {context} | outputs equal: {e['outputs_equal']} | | | | |")
+            x = e["target-only"]
+            lines.append(f"| {context} | none | 0 | {x['tokens_per_s']:.0f} | {x['ms_per_step']:.2f} | 1.00 | 1.00x "
+                         "| - |")
+            for alpha, x in e["synthetic"].items():
+                lines.append(f"| {context} | synthetic:{alpha}:self | {e['k']} | {x['tokens_per_s']:.0f} | "
+                             f"{x['ms_per_step']:.2f} | {x['tokens_per_pass']:.2f} "
+                             f"({x['expected_tokens_per_pass']:.2f}) | **{x['speedup']:.2f}x** | "
+                             f"{x['outputs_equal']} |")
     for context, r in result["contexts"].items():
         if "skipped" in r:
             lines.append(f"\ncontext {context} skipped: {r['skipped']}")

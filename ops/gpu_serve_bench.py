@@ -107,19 +107,13 @@ def shape_args(shape: str):
 
 
 def write_random_target(shape: str, folder: Path, device: str, seed: int = 0, margin: float = 16.0) -> Path:
-    """A Llama model folder (config.json + model.safetensors, bf16) of `shape` with random weights.
-
-    The embedding is scaled by `margin` and the (untied) output layer holds the same values. Plain random weights
-    give near-ties, which bf16 passes of different shapes (decode T=1, verify T=K+1, other batch sizes) break
-    differently, so the target's greedy output would depend on the K schedule and batch, and a recorded
-    continuation would stop matching. Each layer adds about unit variance a dimension to the residual stream and
-    the embedding margin / sqrt(dim): at 16 (dim 4096, 32 layers) the layers dominate and near-ties stay; at 512
-    the fed token's embedding dominates, the greedy token is the fed token again (a constant continuation) and wins
-    by most of the top logit, far beyond bf16 rounding. The values change no step's cost."""
+    """A Llama model folder (config.json + model.safetensors, bf16) of `shape` with random weights, the embedding
+    scaled by `margin` and copied into the output layer (`pipeline.models.shapes.embedding_margin`: a greedy output
+    that bf16 rounding does not move)."""
     from safetensors.torch import save_file
 
     from pipeline.models.llama import HF_TO_LOCAL
-    from pipeline.models.shapes import random_llama
+    from pipeline.models.shapes import embedding_margin, random_llama
 
     if (folder / "model.safetensors").exists():
         return folder
@@ -131,12 +125,7 @@ def write_random_target(shape: str, folder: Path, device: str, seed: int = 0, ma
               "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_theta, "hidden_act": "silu",
               "max_position_embeddings": a.max_position_embeddings, "tie_word_embeddings": a.tie_embeddings,
               "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
-    runner = random_llama(a, device, torch.bfloat16, seed=seed)
-    with torch.no_grad():
-        emb = runner.model.tok_embeddings.weight
-        emb.mul_(margin)
-        if not a.tie_embeddings:
-            runner.model.output.weight.copy_(emb)
+    runner = embedding_margin(random_llama(a, device, torch.bfloat16, seed=seed), margin)
     to_hf = {}
     for hf, local in HF_TO_LOCAL.items():
         for i in range(a.n_layers) if "{i}" in hf else [None]:
@@ -149,7 +138,7 @@ def write_random_target(shape: str, folder: Path, device: str, seed: int = 0, ma
     save_file(state, str(folder / "model.safetensors.tmp"))
     os.replace(folder / "model.safetensors.tmp", folder / "model.safetensors")
     (folder / "config.json").write_text(json.dumps(config, indent=1))
-    del runner, state, emb
+    del runner, state
     gc.collect()
     if device.startswith("cuda"):  # the bench process keeps no GPU memory beside the replicas it measures
         torch.cuda.empty_cache()

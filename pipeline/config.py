@@ -37,8 +37,10 @@ def is_head(spec: str | None) -> bool:
 def draft_model_spec(spec: str) -> str | None:
     """The draft model a drafter spec names (for a hybrid, its model part); None for prompt lookup, suffix, none,
     the feature heads and self-speculation (they run with the target, not as a model of their own). A synthetic
-    drafter's word is its own model spec (it runs where draft models run)."""
+    drafter's word is its own model spec (it runs where draft models run), unless its SHAPE is `self`."""
     if spec in (PROMPT_LOOKUP, SUFFIX, NO_DRAFT) or is_head(spec) or is_self(spec):
+        return None
+    if is_synthetic(spec) and parse_synthetic(spec).self_timed:
         return None
     return spec[len(HYBRID_PREFIX):] if spec.startswith(HYBRID_PREFIX) else spec
 
@@ -48,8 +50,13 @@ class SyntheticSpec:
     """The parts of a `synthetic:ALPHA:SHAPE:RECORDING` drafter word (pipeline.synthetic)."""
 
     alpha: float  # probability that a drafted position is the target's own (greedy) token
-    shape: str  # the draft model whose time each step spends: a name of pipeline.models.shapes.SHAPES, or a folder
+    shape: str  # whose time each step spends: a name of pipeline.models.shapes.SHAPES, a folder, or `self`
     recording: str  # JSON file of the target's greedy continuations of the prompts (pipeline.synthetic.Recording)
+
+    @property
+    def self_timed(self) -> bool:
+        """Whether the drafts spend self-speculation's time (the target's own windowed forwards)."""
+        return self.shape == SELF_DRAFT
 
 
 def is_synthetic(spec: str | None) -> bool:

@@ -28,6 +28,7 @@ from pipeline.config import (  # noqa: F401 - draft_model_spec: re-exported
     is_self,
     is_synthetic,
     parse_self,
+    parse_synthetic,
 )
 from pipeline.models.base import CausalLM
 from pipeline.models.loader import load_model
@@ -463,8 +464,13 @@ def build_drafter(spec: str | None, target_info, tokenizer, device: str = "cpu",
         window = parse_self(spec)
         return SelfSpecDrafter(target, window.window, window.sinks)
     if is_synthetic(spec):  # a measurement aid: the recorded continuation at a set acceptance, a real model's time
-        from pipeline.synthetic import SyntheticDrafter
+        from pipeline.synthetic import SyntheticDrafter, SyntheticSelfDrafter
 
+        synthetic = parse_synthetic(spec)
+        if synthetic.self_timed:
+            if target is None:
+                raise ValueError(f"drafter {spec!r} spends the target's own draft time: build it with the target model")
+            return SyntheticSelfDrafter(target, synthetic.recording, synthetic.alpha, name=spec)
         return SyntheticDrafter.from_spec(spec, device, dtype)
     draft_model, draft_tok = load_model(str(resolve(spec)), device=device, dtype=dtype)
     try:

@@ -6,7 +6,9 @@ position kept with probability ALPHA and replaced by a different token otherwise
 each position is a pure function of the prompt and the position (`pipeline.rng`), so a run replays exactly.
 Every propose call also runs the real forwards of a draft model of the given SHAPE (random weights, a name of
 `pipeline.models.shapes.SHAPES` or a model folder) on its device, with its own KV cache, catch-up and top-k
-sampling, exactly as `ModelDrafter` does: a step costs what a real drafter of that shape costs.
+sampling, exactly as `ModelDrafter` does: a step costs what a real drafter of that shape costs. SHAPE `self`
+(`SyntheticSelfDrafter`) spends the time of self-speculation instead: the target's own forwards through a
+StreamingLLM window of its cache (`pipeline.self_spec`, window 512 and 4 sinks), for long-context step costs.
 
 Verification stays the target's own: drafts travel as point masses (no probabilities, like prompt lookup), so
 greedy output is the target's greedy output and sampled output follows the target's distribution whatever this
@@ -30,6 +32,7 @@ from pipeline.drafters import ModelDrafter, ProposeRow, _padded
 from pipeline.models.base import CausalLM
 from pipeline.rejection import DraftBlock
 from pipeline.rng import Stream, uniform
+from pipeline.self_spec import SelfSpecDrafter
 
 
 @dataclass
@@ -80,17 +83,17 @@ def synthetic_proposals(prompt: Sequence[int], output: Sequence[int], alpha: flo
     return [t if k else (t + s) % vocab_size for t, k, s in zip(output, keep, shift)]
 
 
-class SyntheticDrafter(ModelDrafter):
-    """Drafts the recorded continuation, each position kept with probability `alpha`; spends a real draft model's
-    time (`model`, any `CausalLM`: its forwards run, its tokens are discarded)."""
+class _SyntheticProposals:
+    """What a synthetic drafter proposes (the recorded continuation, each position kept with probability `alpha`),
+    mixed into a drafter class whose `propose` does the real work whose time it spends."""
 
-    def __init__(self, model: CausalLM, recording: Recording | str | Path, alpha: float,
-                 name: str | None = None) -> None:
+    alpha: float
+
+    def _init_synthetic(self, recording: Recording | str | Path, alpha: float) -> None:
         """recording: the recording, or its file, read when the first proposal needs it (so a server can start
         before the target-only run that writes it)."""
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"synthetic drafter: alpha must be in [0, 1], got {alpha}")
-        super().__init__(model, name or f"synthetic:{alpha}:{model.info.name}")
         self.alpha = alpha
         self._recording: Recording | None = None
         self._recording_path = None if isinstance(recording, Recording) else Path(recording)
@@ -114,12 +117,6 @@ class SyntheticDrafter(ModelDrafter):
             self._by_prompt.setdefault(len(p), {})[tuple(p)] = i
         self._match: dict[str, tuple[int, int] | None] = {}  # request id -> (record index, prompt length)
         self._recording = recording
-
-    @classmethod
-    def from_spec(cls, spec: str, device: str = "cpu", dtype: str = "bfloat16", seed: int = 0) -> "SyntheticDrafter":
-        """The drafter a `synthetic:ALPHA:SHAPE:RECORDING` word names, its draft model built on `device`."""
-        s = parse_synthetic(spec)
-        return cls(timing_model(s.shape, device, dtype, seed), s.recording, s.alpha, name=spec)
 
     def _record_of(self, request_id: str, context: Sequence[int]) -> tuple[int, int] | None:
         """(record index, prompt length) of the recording whose prompt starts the context; None if none does."""
@@ -160,7 +157,7 @@ class SyntheticDrafter(ModelDrafter):
         return Overrides(tokens, torch.tensor(starts, dtype=torch.int64, device=device), self.recording.vocab_size)
 
     def propose(self, rows, k, sampling, steps, draft_top_k) -> DraftBlock:
-        super().propose(rows, k, sampling, steps, draft_top_k)  # the draft model's real work; its tokens dropped
+        super().propose(rows, k, sampling, steps, draft_top_k)  # the real drafter's work; its tokens dropped
         drafts = [self.synthetic(r, k) for r in rows]
         for r, d in zip(rows, drafts):  # as if the model had fed these: its next catch-up is a real drafter's
             fed = self._fed[r.request_id]
@@ -173,6 +170,35 @@ class SyntheticDrafter(ModelDrafter):
         super().release(request_id)
         if self._recording is not None:
             self._match.pop(request_id, None)
+
+
+class SyntheticDrafter(_SyntheticProposals, ModelDrafter):
+    """Drafts the recorded continuation, each position kept with probability `alpha`; spends a real draft model's
+    time (`model`, any `CausalLM`: its forwards run, its tokens are discarded)."""
+
+    def __init__(self, model: CausalLM, recording: Recording | str | Path, alpha: float,
+                 name: str | None = None) -> None:
+        ModelDrafter.__init__(self, model, name or f"synthetic:{alpha}:{model.info.name}")
+        self._init_synthetic(recording, alpha)
+
+    @classmethod
+    def from_spec(cls, spec: str, device: str = "cpu", dtype: str = "bfloat16", seed: int = 0) -> "SyntheticDrafter":
+        """The drafter a `synthetic:ALPHA:SHAPE:RECORDING` word names, its draft model built on `device`."""
+        s = parse_synthetic(spec)
+        return cls(timing_model(s.shape, device, dtype, seed), s.recording, s.alpha, name=spec)
+
+
+class SyntheticSelfDrafter(_SyntheticProposals, SelfSpecDrafter):
+    """Drafts the recorded continuation, each position kept with probability `alpha`; spends the time of the
+    target's own StreamingLLM drafts (`synthetic:ALPHA:self:RECORDING`: `SelfSpecDrafter`'s forwards through a
+    window of the target's cache run, their tokens are discarded). For long-context shapes with no real acceptance
+    here (random weights): the step costs are self-speculation's, the acceptance is set."""
+
+    def __init__(self, target: CausalLM, recording: Recording | str | Path, alpha: float, window: int = 512,
+                 sinks: int = 4, name: str | None = None) -> None:
+        SelfSpecDrafter.__init__(self, target, window, sinks)
+        self.name = name or f"synthetic:{alpha}:{self.name}"
+        self._init_synthetic(recording, alpha)
 
 
 def timing_model(shape: str, device: str = "cpu", dtype: str = "bfloat16", seed: int = 0) -> CausalLM:

@@ -96,6 +96,23 @@ def random_llama(
     return LlamaCausalLM(model, info)
 
 
+def embedding_margin(runner: LlamaCausalLM, margin: float) -> LlamaCausalLM:
+    """Scale a random model's embedding by `margin` and copy it into its (untied) output layer, in place.
+
+    Plain random weights give near-ties, which bf16 passes of different shapes (decode T=1, verify T=K+1, other
+    batch sizes) break differently, so the greedy output would depend on the K schedule and batch, and a recorded
+    continuation would stop matching. Each layer adds about unit variance a dimension to the residual stream and
+    the embedding margin / sqrt(dim): at 16 (dim 4096, 32 layers) the layers dominate and near-ties stay; at 512
+    the fed token's embedding dominates, the greedy token is the fed token again (a constant continuation) and wins
+    by most of the top logit, far beyond bf16 rounding. The values change no step's cost."""
+    with torch.no_grad():
+        emb = runner.model.tok_embeddings.weight
+        emb.mul_(margin)
+        if runner.model.output.weight is not emb:
+            runner.model.output.weight.copy_(emb)
+    return runner
+
+
 def weight_bytes_read(args: LlamaArgs, dtype: torch.dtype = torch.bfloat16) -> int:
     """Bytes of weights one decode step must read: every matrix once; the embedding table only where it
     doubles as the output layer (an untied model reads one row of it per token)."""

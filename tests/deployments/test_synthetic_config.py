@@ -1,5 +1,5 @@
 """The Serve config accepts the synthetic drafter word, refuses a malformed one with its expected form, and runs it
-on drafter replicas (it names a model part, like a draft model)."""
+on drafter replicas (it names a model part, like a draft model) unless it spends self-speculation's time."""
 
 from __future__ import annotations
 
@@ -25,3 +25,8 @@ def test_a_synthetic_word_runs_on_drafter_replicas_placed_by_gpu():
 def test_a_malformed_synthetic_word_is_refused(word, message):
     with pytest.raises(ValidationError, match=message):
         DrafterConfig(draft=word)
+
+
+def test_a_self_timed_synthetic_word_is_refused_like_self():
+    with pytest.raises(ValidationError, match="in process only"):
+        DrafterConfig(draft="synthetic:0.8:self:/tmp/rec.json")

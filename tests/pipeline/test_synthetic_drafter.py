@@ -7,12 +7,19 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.config import EngineConfig, SamplingParams, SpecParams, parse_synthetic
+from pipeline.config import EngineConfig, SamplingParams, SpecParams, draft_model_spec, parse_synthetic
 from pipeline.drafters import build_drafter
 from pipeline.engine import SpeculativeEngine
 from pipeline.ideal import efficiency, ideal_speedup
 from pipeline.models.loader import load_model
-from pipeline.synthetic import Recording, SyntheticDrafter, expected_tokens_per_pass, synthetic_proposals
+from pipeline.self_spec import SelfSpecDrafter
+from pipeline.synthetic import (
+    Recording,
+    SyntheticDrafter,
+    SyntheticSelfDrafter,
+    expected_tokens_per_pass,
+    synthetic_proposals,
+)
 
 PROMPTS = [[5, 17, 33, 17, 33, 9], [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], [100, 7], [64, 3, 99, 12, 12, 40, 1]]
 MAX_NEW = 160
@@ -65,6 +72,29 @@ def test_sampled_requests_replay_and_alpha_one_accepts_everything(tiny_models, r
     first = [r.token_ids for r in spec_engine.generate_batch(PROMPTS, params, SpecParams(K))]
     again = [spec_engine.generate(p, q, SpecParams(K)).token_ids for p, q in zip(PROMPTS, params)]
     assert first == again
+
+
+def test_self_timed_drafter_spends_self_speculation_and_keeps_alpha(tiny_models, recorded):
+    """SHAPE `self`: the drafts are the recording's, the time is the target's own windowed forwards (its slot of
+    each request, no draft model of its own); the output stays the target's."""
+    engine, outputs, path = recorded
+    spec = f"synthetic:0.8:self:{path}"
+    with pytest.raises(ValueError, match="build it with the target model"):
+        build_drafter(spec, engine.target.info, None)
+    drafter = build_drafter(spec, engine.target.info, None, target=engine.target)
+    assert isinstance(drafter, SyntheticSelfDrafter) and isinstance(drafter, SelfSpecDrafter)
+    assert drafter.model.target is engine.target and (drafter.window, drafter.sinks) == (512, 4)
+    assert draft_model_spec(spec) is None  # no model of its own to load or place
+    calls = []
+    forward = drafter.model.forward
+    drafter.model.forward = lambda *a, **kw: calls.append(a[0].shape) or forward(*a, **kw)
+    got = _spec_engine(engine, drafter).generate_batch(PROMPTS, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True),
+                                                         SpecParams(num_draft_tokens=K))
+    assert [r.token_ids for r in got] == outputs
+    passes = sum(r.stats["target_passes"] for r in got)
+    first = sum(r.stats["acceptance_by_position"][0] * r.stats["target_passes"] for r in got) / passes
+    assert abs(first - 0.8) < 0.08, first
+    assert len(calls) >= K * max(r.stats["target_passes"] for r in got) // 2  # the windowed forwards ran
 
 
 def test_proposals_keep_alpha_of_positions_and_replace_with_other_tokens():
