@@ -55,6 +55,7 @@ from pipeline.step import (
     verify_and_accept,
 )
 from pipeline.synthetic import SyntheticDrafter
+from pipeline.transfer import to_device
 from pipeline.tree import TreeDrafter, supports_tree
 
 log = logging.getLogger(__name__)
@@ -164,6 +165,9 @@ class SpeculativeEngine:
             captures += warmup(self.target, self.config.max_batch_size, max_draft_tokens + 1, self._feature_layers)
         if drafter is not None and max_draft_tokens > 0:
             captures += warmup(drafter.model, self.config.max_batch_size)  # every length
+        nodes = _tree_nodes(self.drafter)
+        if nodes and max_draft_tokens > 0:  # the tree's verify passes (a head's tree drafts capture on first use)
+            captures += warmup(self.target, self.config.max_batch_size, nodes + 1, self._feature_layers, tree=True)
         return {"captures": captures, "seconds": time.perf_counter() - t0}
 
     # -- construction ----------------------------------------------------------------------------------
@@ -412,7 +416,7 @@ class SpeculativeEngine:
         if self._sampling is None or self._sampling[0] != rows_key:
             self._sampling = (rows_key, SamplingTensors.from_params([s.params for s in states], device))
         sampling = self._sampling[1]
-        steps = torch.tensor([s.step for s in states], dtype=torch.int64, device=device)
+        steps = to_device([s.step for s in states], device)
         t0 = time.perf_counter()
         captures = self._captures()
         policy = self.k_policy if self.drafter is not None else None
@@ -427,7 +431,7 @@ class SpeculativeEngine:
         else:
             draft = empty_block(B, device)
         t1 = time.perf_counter()
-        pending = torch.tensor([s.last_token for s in states], dtype=torch.int64, device=device)
+        pending = to_device([s.last_token for s in states], device)
         positions = torch.tensor([s.length - 1 for s in states], dtype=torch.int64)  # on the host: no device sync
         verdicts = verify_and_accept(self.target, pending, draft, positions, torch.tensor(slots, dtype=torch.int64),
                                      sampling, steps, self._feature_layers if self.drafter is not None else ())
@@ -518,6 +522,16 @@ def _tree_drafter(drafter: Drafter | None, target: CausalLM, tree: TreeConfig) -
 def _drafts_trees(drafter: Drafter | None) -> bool:
     """Whether `drafter` drafts token trees (a `TreeDrafter`, or a feature head set to)."""
     return isinstance(drafter, TreeDrafter) or getattr(_head_drafter(drafter), "tree", None) is not None
+
+
+def _tree_nodes(drafter: Drafter | None) -> int:
+    """The most nodes a pass verifies when `drafter` drafts token trees (0: chains)."""
+    if isinstance(drafter, TreeDrafter):
+        return drafter.shape.num_nodes
+    head = _head_drafter(drafter)
+    if head is None or head.tree is None:
+        return 0
+    return head.dynamic.max_nodes if head.dynamic is not None else head.tree.num_nodes
 
 
 def _model_drafter(drafter: Drafter | None) -> ModelDrafter | None:

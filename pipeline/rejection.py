@@ -91,6 +91,7 @@ class AcceptOutput:
     num_accepted: torch.Tensor  # [B] int64, accepted draft tokens
     tokens: torch.Tensor  # [B, K+1] int64: emitted tokens; row b's first num_accepted[b] + 1 are valid
     path: torch.Tensor | None = None  # [B, K] int64 (trees): the accepted nodes, root first; -1 past the path
+    depth: torch.Tensor | None = None  # [B] int64 (trees): the drafted tree's depth, the most one pass can accept
 
 
 def verify(
@@ -229,7 +230,10 @@ def _walk_tree(
     node = torch.arange(K, device=device)
     earlier_sibling = (parent_pos[:, :, None] == parent_pos[:, None, :]) & (node[:, None] > node[None, :])  # [B, K, K]
     first_ok = ok & ~(earlier_sibling & ok[:, None, :]).any(-1)  # [B, K]: the first of its siblings to pass
-    on_path = ~(tree_ancestors(draft.parents) & ~first_ok[:, None, :]).any(-1)  # [B, K]
+    ancestors = tree_ancestors(draft.parents)  # [B, K, K]
+    on_path = ~(ancestors & ~first_ok[:, None, :]).any(-1)  # [B, K]
+    drafted = node[None, :] < draft.num_draft[:, None]  # [B, K]
+    depth = torch.where(drafted, ancestors.sum(-1), 0).amax(-1) if K else draft.num_draft  # [B]
     order = torch.where(on_path, node, K).sort(-1).values  # on-path nodes first, parents before children
     path = torch.where(order < K, order, -1)  # [B, K] the walk, then -1
     num_accepted = (path >= 0).sum(-1)  # [B]
@@ -242,4 +246,4 @@ def _walk_tree(
     padded = torch.cat([walked, final], dim=-1)  # [B, K+1]
     idx = torch.arange(K + 1, device=device)[None, :]
     tokens = torch.where(idx < num_accepted[:, None], padded, final.expand(B, K + 1))
-    return AcceptOutput(num_accepted=num_accepted, tokens=tokens, path=path)
+    return AcceptOutput(num_accepted=num_accepted, tokens=tokens, path=path, depth=depth)

@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 
 from pipeline.config import SamplingParams
+from pipeline.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,10 @@ class SamplingTensors:
         )
 
     def select(self, rows: torch.Tensor | list[int]) -> "SamplingTensors":
-        idx = torch.as_tensor(rows, dtype=torch.int64, device=self.temperature.device)
+        if isinstance(rows, list) and rows == list(range(self.temperature.shape[0])):
+            return self  # every row, in order
+        idx = rows.to(self.temperature.device) if isinstance(rows, torch.Tensor) else to_device(
+            rows, self.temperature.device)
         temps = self.temperature[idx]
         if self.all_greedy or not self.any_greedy:  # the flags carry over: no device sync
             all_greedy = any_greedy = self.all_greedy

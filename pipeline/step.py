@@ -21,10 +21,11 @@ from pipeline.adaptive import AdaptiveK
 from pipeline.config import MAX_NUM_DRAFT_TOKENS
 from pipeline.drafters import Drafter, ProposeRow
 from pipeline.models.base import CausalLM
-from pipeline.models.tree_attention import TreeMask, compact_indices, tree_depths
+from pipeline.models.tree_attention import TreeMask, compact_indices
 from pipeline.rejection import DraftBlock, accept, verify
 from pipeline.sampling import SamplingTensors
 from pipeline.sequence import RequestState
+from pipeline.transfer import to_device
 
 CACHE_SLACK = 72  # KV-cache positions past max_seq_len: the K+1 verify tokens and draft padding write there
 
@@ -207,23 +208,17 @@ def verify_and_accept(
     draft = draft.to(logits.device)
     out = accept(verify(logits, draft, sampling, steps), draft, sampling.seeds, steps, sampling.all_greedy)
     if out.path is not None:
-        src, dst = compact_indices(positions.to(out.path.device) + 1, out.path)
+        src, dst = compact_indices(to_device(positions, out.path.device) + 1, out.path)
         target.compact(slots, src, dst)
         if features is not None:  # the pending token's states, then the accepted path's, as a chain gives them
             fed = torch.cat([torch.zeros_like(out.path[:, :1]), out.path + 1], dim=1)  # [B, K+1] (past the path: 0)
             features = features.gather(1, fed[..., None].expand(-1, -1, features.shape[-1]))
-    num_accepted = out.num_accepted.tolist()  # the one host sync
-    emitted = out.tokens.tolist()
-    num_draft = draft.num_draft.tolist() if draft.parents is None else tree_depth(draft).tolist()
-    return [Verdict(num_draft[b], n, emitted[b][: n + 1], None if features is None else features[b, : n + 1])
-            for b, n in enumerate(num_accepted)]
-
-
-def tree_depth(draft: DraftBlock) -> torch.Tensor:  # [B] int64
-    """The depth of each row's drafted tree: the most draft tokens one pass can accept."""
-    nodes = torch.arange(draft.k, device=draft.token_ids.device)[None, :]
-    depth = tree_depths(draft.parents) + 1  # [B, K]
-    return torch.where(nodes < draft.num_draft[:, None], depth, 0).amax(-1) if draft.k else draft.num_draft
+    num_draft = draft.num_draft if out.depth is None else out.depth  # a tree's: its depth
+    # The one host sync: each row's [drafted, accepted, emitted tokens...] in one copy.
+    verdicts = torch.cat([num_draft.to(out.tokens.device)[:, None], out.num_accepted[:, None], out.tokens],
+                         dim=1).tolist()
+    return [Verdict(v[0], v[1], v[2: v[1] + 3], None if features is None else features[b, : v[1] + 1])
+            for b, v in enumerate(verdicts)]
 
 
 def commit(state: RequestState, verdict: Verdict) -> tuple[list[int], str]:

@@ -41,6 +41,7 @@ from pipeline.models.tree_attention import TreeMask
 from pipeline.rejection import DraftBlock
 from pipeline.rng import Stream, uniform
 from pipeline.sampling import SamplingTensors, sample_from_probs
+from pipeline.transfer import to_device
 from pipeline.tree import TreeShape, draw_children, tree_shape
 
 FEED_AT = 16  # pairs observed at once (a prompt) go into the EAGLE-3 cache at once, not in a draft step
@@ -69,11 +70,11 @@ class HeadDrafter:
         self._rows: dict[str, _Row] = {}
         self._free: list[int] = []
         self._out_ids = torch.arange(head.cfg.draft_vocab_size, device=self.device) + head.d2t if self.eagle else None
-        # EAGLE-3 drafts on static buffers, one CUDA graph per shape (`_StaticChain`, `_StaticTree`), on a GPU; eagerly
-        # elsewhere
-        # (True on the CPU runs the static path uncaptured, for tests)
+        # EAGLE-3 drafts on static buffers, one CUDA graph per shape (`_StaticChain` and its tree forms), on a GPU;
+        # eagerly elsewhere (True on the CPU runs the static path uncaptured, for tests)
         self.static = self.eagle and self.device.type == "cuda"
-        self._chains: dict[tuple, _StaticChain | _StaticTree] = {}  # a static draft's buffers (and graph) per shape
+        self._chains: dict[tuple, _StaticChain] = {}  # a static draft's buffers (and graph) per shape
+        self._plans: dict[int, TreePlan] = {}  # a static tree's index tensors per depth drafted
         self._graph_pool = None
         self.tree: TreeShape | None = None  # `draft_trees`: token trees of this shape instead of chains
         self.dynamic: TreeConfig | None = None  # `draft_trees` with a dynamic config: greedy batches' trees
@@ -87,6 +88,7 @@ class HeadDrafter:
             raise ValueError(f"a dynamic token tree is drafted by an EAGLE-3 head; {self.name} is not one")
         self.tree = tree_shape(config)
         self.dynamic = config if config.dynamic else None
+        self._plans.clear()
         self.name = f"{self.name} (tree {'x'.join(map(str, config.branching))}, {self.tree.num_nodes} nodes)"
 
     @classmethod
@@ -175,16 +177,18 @@ class HeadDrafter:
         num = [0] * B
         if active:
             depth = k if self.eagle else min(k, self.head.num_heads)
-            idx = torch.tensor(active, dtype=torch.int64)
             sub = sampling.select(active)
-            u = uniform(sub.seeds, steps[idx.to(steps.device)], Stream.DRAFT, k).to(dev)  # [A, K]
+            u = _draft_uniforms(sub, steps, active, k, dev)  # [A, K]
             draw = self._eagle_chain if self.eagle else self._medusa
             out_tok, out_ids, out_probs = draw([states[b] for b in active], depth, sub, u, draft_top_k)
-            a = idx.to(dev)
-            tokens[a, :depth], top_ids[a, :depth], top_probs[a, :depth] = out_tok, out_ids, out_probs
+            if len(active) == B:
+                tokens[:, :depth], top_ids[:, :depth], top_probs[:, :depth] = out_tok, out_ids, out_probs
+            else:
+                a = to_device(active, dev)
+                tokens[a, :depth], top_ids[a, :depth], top_probs[a, :depth] = out_tok, out_ids, out_probs
             for b in active:
                 num[b] = min(rows[b].num_draft, depth)
-        return DraftBlock(tokens, torch.tensor(num, dtype=torch.int64, device=dev), top_ids, top_probs)
+        return DraftBlock(tokens, to_device(num, dev), top_ids, top_probs)
 
     def _propose_tree(self, rows: Sequence[ProposeRow], states: list[_Row | None], active: list[int],
                       sampling: SamplingTensors, steps: torch.Tensor, width: int) -> DraftBlock:
@@ -199,23 +203,21 @@ class HeadDrafter:
         if active:
             depth = max(caps)
             n = shape.nodes_within(depth)
-            idx = torch.tensor(active, dtype=torch.int64)
             sub = sampling.select(active)
-            u = uniform(sub.seeds, steps[idx.to(steps.device)], Stream.DRAFT, N).to(dev)  # [A, N]
+            u = _draft_uniforms(sub, steps, active, N, dev)  # [A, N]
             rows_ = [states[b] for b in active]
             if self.eagle and self.dynamic is not None and sub.all_greedy:
                 return _scatter_rows(B, active, self._dynamic_tree(rows_, depth, [caps[b] for b in active], sub, u),
                                      width)
             if self.eagle:
-                logits, r, pending, slots = self._tree_start(rows_)
-                out = eagle3_tree(self.head, logits, r, pending, slots, shape, depth, sub, u, width, self._out_ids)
+                out = self._static_tree(rows_, depth, sub, u, width)
             else:
                 feats = torch.stack([s.features[-1][-1] for s in rows_]).to(dev)  # [A, C]
                 out = medusa_tree(self.head, feats, shape, depth, sub, u, width)
-            a = idx.to(dev)
+            a = to_device(active, dev)
             tokens[a, :n], top_ids[a, :n], top_probs[a, :n] = out
-        parents = torch.tensor(shape.parents, dtype=torch.int64, device=dev).expand(B, N).contiguous()
-        num = torch.tensor([shape.nodes_within(c) for c in caps], dtype=torch.int64, device=dev)
+        parents = to_device(shape.parents, dev).expand(B, N).contiguous()
+        num = to_device([shape.nodes_within(c) for c in caps], dev)
         return DraftBlock(tokens, num, top_ids, top_probs, parents)
 
     def _tree_start(self, states: list[_Row]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -247,6 +249,33 @@ class HeadDrafter:
             tree = self._chains[key] = _StaticTree(self, len(states), width, branching, sampling, span,
                                                    states[0].features[0].dtype)
         return tree.run(states, sampling, u, caps)
+
+    def _static_tree(self, states: list[_Row], depth: int, sampling: SamplingTensors, u: torch.Tensor,
+                     top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows' unread pairs read, then `eagle3_tree` of `self.tree` cut to `depth` levels: where the head drafts
+        statically, both on static buffers over a fixed span, one CUDA graph per shape (`_StaticFixedTree`); eagerly
+        otherwise."""
+        shape = self.tree
+        plan = self._plans.get(depth)
+        if plan is None:
+            plan = self._plans[depth] = tree_plan(shape, depth, self.device)
+        width = shape.depth + 1  # the pairs a step observes: the pending token and the accepted path
+        region = shape.nodes_within(depth - 1)  # pairs the head's level calls feed from the pending position on
+        span = head_span_for(max(s.fed for s in states) + width + region, self.head.max_len)
+        if not (self.static and span is not None):
+            logits, r, pending, slots = self._tree_start(states)
+            return eagle3_tree(self.head, logits, r, pending, slots, shape, depth, sampling, u, top_k, self._out_ids,
+                               plan)
+        for s in states:
+            if s.pending > width:  # (after a prefill) the older pairs first, eagerly
+                self._read_head(s, keep=width)
+        key = ("static tree", len(states), width, depth, top_k, sampling.all_greedy, sampling.any_greedy,
+               sampling.needs_truncation, span)
+        tree = self._chains.get(key)
+        if tree is None:
+            tree = self._chains[key] = _StaticFixedTree(self, len(states), width, plan, top_k, sampling, span,
+                                                        states[0].features[0].dtype)
+        return tree.run(states, sampling, u)
 
     def _eagle_chain_static(self, states: list[_Row], depth: int, sampling: SamplingTensors, u: torch.Tensor,
                             top_k: int, width: int, span: int):
@@ -371,23 +400,23 @@ class _StaticChain:
     the next read overwrite before any query sees them (as `pipeline.device_loop` does)."""
 
     def __init__(self, drafter: "HeadDrafter", A: int, width: int, depth: int, top_k: int, sampling: SamplingTensors,
-                 span: int, feat_dtype: torch.dtype) -> None:
+                 span: int, feat_dtype: torch.dtype, uniforms: int | None = None) -> None:
+        """uniforms: DRAFT uniforms a row uses (default: `depth`, one per chain position)."""
         dev, head = drafter.device, drafter.head
         self.drafter, self.depth, self.top_k, self.span = drafter, depth, top_k, span
         z = lambda *shape, dtype=torch.int64: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
         self.tok, self.feat = z(A, width), z(A, width, head.fc.in_features, dtype=feat_dtype)
         self.start, self.last, self.slots, self.pos = z(A), z(A), z(A), z(A)
-        self.u = z(A, depth, dtype=torch.float64)
+        self.u = z(A, depth if uniforms is None else uniforms, dtype=torch.float64)
         self.sampling = SamplingTensors(z(A, dtype=torch.float32), z(A), z(A, dtype=torch.float32), z(A),
                                         sampling.all_greedy, sampling.any_greedy, sampling.needs_truncation)
-        self.host = torch.zeros(5, A, width, dtype=torch.int64)  # tok, start, last, slots, pos: one copy
+        self.width = width
         self.rows = torch.arange(A, device=dev)
         self.graph = None
         self.out = None
 
     def run(self, states: list[_Row], sampling: SamplingTensors, u: torch.Tensor):
-        h = self.host
-        h.zero_()
+        h = torch.zeros(5, len(states), self.width, dtype=torch.int64)  # tok, start, last, slots, pos: one copy
         for b, s in enumerate(states):
             n = s.pending
             h[0, b, :n] = torch.tensor(s.tokens, dtype=torch.int64)
@@ -395,7 +424,7 @@ class _StaticChain:
             self.feat[b, :n].copy_(torch.cat(s.features)[-n:])
             s.fed += n
             s.features, s.tokens = [], []
-        dev = h.to(self.tok.device, non_blocking=False)
+        dev = to_device(h, self.tok.device)
         self.tok.copy_(dev[0])
         for dst, i in ((self.start, 1), (self.last, 2), (self.slots, 3), (self.pos, 4)):
             dst.copy_(dev[i, :, 0])
@@ -403,7 +432,7 @@ class _StaticChain:
         for dst, src in ((st.temperature, sampling.temperature), (st.top_k, sampling.top_k),
                          (st.top_p, sampling.top_p), (st.seeds, sampling.seeds)):
             dst.copy_(src)
-        self.u.copy_(u[:, :self.depth])
+        self.u.copy_(u[:, :self.u.shape[1]])
         if self.out is None:
             self.out = self._capture()
         elif self.graph is not None:
@@ -459,7 +488,7 @@ class _StaticTree(_StaticChain):
 
     def run(self, states: list[_Row], sampling: SamplingTensors, u: torch.Tensor,
             caps: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        self.caps.copy_(torch.tensor(caps, dtype=torch.int64), non_blocking=True)
+        self.caps.copy_(to_device(caps, self.caps.device))
         return super().run(states, sampling, u)
 
     def _body(self):
@@ -467,6 +496,44 @@ class _StaticTree(_StaticChain):
         logits, r = self._read_pairs()
         return eagle3_dynamic_tree(hd.head, logits, r, self.pos, self.slots, self.branching, hd.dynamic.max_nodes,
                                    self.caps, hd._out_ids, self.span)
+
+
+class _StaticFixedTree(_StaticChain):
+    """One shape of `HeadDrafter`'s static token tree: `_StaticChain`'s read of the rows' unread pairs, then
+    `eagle3_tree` of the plan's shape and depth over the fixed span (greedy and sampled rows), captured as one CUDA
+    graph on a GPU (on the CPU run as is)."""
+
+    def __init__(self, drafter: "HeadDrafter", A: int, width: int, plan: "TreePlan", top_k: int,
+                 sampling: SamplingTensors, span: int, feat_dtype: torch.dtype) -> None:
+        super().__init__(drafter, A, width, plan.depth, top_k, sampling, span, feat_dtype,
+                         uniforms=plan.shape.num_nodes)
+        self.plan = plan
+
+    def _body(self):
+        hd = self.drafter
+        logits, r = self._read_pairs()
+        return eagle3_tree(hd.head, logits, r, self.pos, self.slots, self.plan.shape, self.depth, self.sampling,
+                           self.u, self.top_k, hd._out_ids, self.plan, self.span)
+
+
+@dataclass(frozen=True)
+class TreePlan:
+    """A static tree's index tensors for `eagle3_tree`, made once per (shape, depth) on the head's device (no host
+    copies while drafting, so the draft can be captured)."""
+
+    shape: TreeShape
+    depth: int  # levels drafted
+    parents: torch.Tensor  # [n] int64 parent of each node within `depth` levels (-1: the pending token)
+    own: tuple[torch.Tensor, ...]  # per level but the last: each node's parent's index within the level above
+
+
+def tree_plan(shape: TreeShape, depth: int, dev: torch.device) -> TreePlan:
+    own, above = [], [-1]
+    for level in range(depth - 1):
+        nodes = range(shape.nodes_within(level), shape.nodes_within(level + 1))
+        own.append(to_device([above.index(shape.parents[i]) for i in nodes], dev))
+        above = list(nodes)
+    return TreePlan(shape, depth, to_device(shape.parents[:shape.nodes_within(depth)], dev), tuple(own))
 
 
 @dataclass
@@ -543,6 +610,8 @@ def eagle3_tree(
     u: torch.Tensor,  # [A, >= shape.num_nodes] DRAFT uniforms: node n draws with u[:, n]
     top_k: int,
     out_ids: torch.Tensor,  # [V'] target id of each draft-vocabulary row
+    plan: TreePlan,  # `tree_plan(shape, depth)`
+    span: int | None = None,  # `Eagle3Head.step`'s (the cache length: static shapes, capturable; `_StaticFixedTree`)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # tokens [A, n], ids [A, n, k], probs [A, n, k]; n nodes
     """Draft a tree level by level (`pipeline.tree.draw_children` draws each level's tokens): the pending token's
     children from `logits`, then one head call per level over that level's nodes, each node the pair (its parent's
@@ -554,7 +623,7 @@ def eagle3_tree(
     A, dev = logits.shape[0], logits.device
     n = shape.nodes_within(depth)
     tokens, top_ids, top_probs = _tree_outputs(A, n, top_k, dev)
-    parents = torch.tensor(shape.parents[:n], dtype=torch.int64, device=dev).expand(A, n)
+    parents = plan.parents.expand(A, n)
     greedy = (sampling.temperature == 0).to(dev)[:, None]  # [A, 1]
     level_logits, level_r, level_nodes = logits[:, None], r[:, None], [-1]  # per node of the level above
     for level in range(depth):
@@ -562,8 +631,8 @@ def eagle3_tree(
         draw_children(shape, level_logits, level_nodes, range(lo, hi), sampling, u, greedy, tokens, top_ids,
                       top_probs, out_ids)
         if level + 1 < depth:  # the next level needs this one's logits
-            own = torch.tensor([level_nodes.index(shape.parents[i]) for i in range(lo, hi)], device=dev)
-            level_logits, level_r = head.step(tokens[:, lo:hi], level_r[:, own], pending_pos + lo, slots, fused=False,
+            level_logits, level_r = head.step(tokens[:, lo:hi], level_r[:, plan.own[level]],
+                                              pending_pos + lo, slots, fused=False, span=span,
                                               tree=TreeMask(parents[:, :hi], first=lo))
             level_nodes = list(range(lo, hi))
     return tokens, top_ids, top_probs
@@ -630,6 +699,16 @@ def eagle3_dynamic_tree(
     return torch.cat(tokens, dim=1).gather(1, chosen), new_par, valid.sum(-1)
 
 
+def _draft_uniforms(sampling: SamplingTensors, steps: torch.Tensor, active: list[int], n: int,
+                    dev: torch.device) -> torch.Tensor:  # [A, n] float64
+    """The active rows' DRAFT uniforms of this step. A greedy row's draft distribution is a point mass, which any
+    uniform draws: an all-greedy batch takes a constant instead of the hash (about 60 small kernels a step)."""
+    if sampling.all_greedy:
+        return torch.full((len(active), n), 0.5, dtype=torch.float64, device=dev)
+    idx = to_device(active, steps.device)
+    return uniform(sampling.seeds, steps[idx], Stream.DRAFT, n).to(dev)
+
+
 def _tree_outputs(A: int, n: int, top_k: int, dev) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Zeroed tokens [A, n], ids [A, n, k] and probs [A, n, k] for a tree drafter to fill level by level."""
     return (torch.zeros(A, n, dtype=torch.int64, device=dev), torch.zeros(A, n, top_k, dtype=torch.int64, device=dev),
@@ -641,11 +720,14 @@ def _scatter_rows(B: int, active: list[int], tree: tuple[torch.Tensor, torch.Ten
     """A `DraftBlock` of B rows from the active rows' greedy trees (tokens, parents, nodes): point masses."""
     tokens, parents, nodes = tree
     dev, N = tokens.device, tokens.shape[1]
-    a = torch.tensor(active, dtype=torch.int64, device=dev)
-    out_tok = torch.zeros(B, N, dtype=torch.int64, device=dev)
-    out_par = torch.arange(-1, N - 1, device=dev).expand(B, N).contiguous()  # inactive rows: a chain of no nodes
-    num = torch.zeros(B, dtype=torch.int64, device=dev)
-    out_tok[a], out_par[a], num[a] = tokens, parents, nodes
+    if len(active) == B:  # every row drafted: the trees are the block's rows
+        out_tok, out_par, num = tokens, parents, nodes
+    else:
+        a = to_device(active, dev)
+        out_tok = torch.zeros(B, N, dtype=torch.int64, device=dev)
+        out_par = torch.arange(-1, N - 1, device=dev).expand(B, N).contiguous()  # inactive rows: a chain of no nodes
+        num = torch.zeros(B, dtype=torch.int64, device=dev)
+        out_tok[a], out_par[a], num[a] = tokens, parents, nodes
     top_ids = out_tok[..., None].expand(-1, -1, width).contiguous()
     top_probs = torch.zeros(B, N, width, device=dev)
     top_probs[..., 0] = 1.0

@@ -33,15 +33,17 @@ class ModelInfo:
     input_vocab_size: int | None = None
 
 
-def warmup(model: object, max_batch: int, max_tokens: int | None = None, layers: tuple[int, ...] = ()) -> int:
+def warmup(model: object, max_batch: int, max_tokens: int | None = None, layers: tuple[int, ...] = (),
+           tree: bool = False) -> int:
     """Let a runner prepare its step shapes before traffic (the CUDA graph path captures every graph that calls
     of up to `max_batch` rows x `max_tokens` tokens use; None: every token count it captures; with `layers`, those
-    of `forward_features` for a feature head's layers). Runners without that (eager, CPU) have nothing to do.
-    Returns the graphs captured."""
+    of `forward_features` for a feature head's layers; with `tree`, those of token-tree verify calls). Runners
+    without that (eager, CPU) have nothing to do. Returns the graphs captured."""
     warm = getattr(model, "warmup", None)
     if warm is None:
         return 0
-    return warm(max_batch, max_tokens, layers=layers) if layers else warm(max_batch, max_tokens)
+    extra = {**({"layers": layers} if layers else {}), **({"tree": True} if tree else {})}
+    return warm(max_batch, max_tokens, **extra)
 
 
 class CausalLM(Protocol):

@@ -576,13 +576,15 @@ class GraphCausalLM:
     supports_stream = True  # `forward(..., stream=(window, sinks))`, captured per window
 
     @torch.inference_mode()  # as `forward`: a capture here may reuse a logits buffer a forward made (inference tensor)
-    def warmup(self, max_batch: int, max_tokens: int | None = None, layers: tuple[int, ...] = ()) -> int:
+    def warmup(self, max_batch: int, max_tokens: int | None = None, layers: tuple[int, ...] = (),
+               tree: bool = False) -> int:
         """Capture now every graph that calls of up to `max_batch` rows x `max_tokens` tokens (None: any token
         bucket) would use (with the Triton attention, every one; with SDPA, those of the shortest contexts),
         instead of on first use in the middle of serving: a capture costs tens of milliseconds (more with a
         compilation or the linears' tuning), which a stream would see as a stall. Rows point at the scratch slot.
-        With `layers`, the graphs of `forward_features` for those layers instead (what a feature head reads).
-        Returns the number of graphs captured; 0 without CUDA graphs."""
+        With `layers`, the graphs of `forward_features` for those layers instead (what a feature head reads); with
+        `tree`, those of token-tree calls (a tree's verify pass). Returns the number of graphs captured; 0 without
+        CUDA graphs."""
         assert self._bufs is not None, "call allocate(num_slots, max_len) before warmup"
         if not self.use_graphs:
             return 0
@@ -595,13 +597,17 @@ class GraphCausalLM:
         for Bb in batches:
             for Tb in tokens:
                 shape = self.shape_for(Bb, Tb, 0)
-                key = shape if not layers or shape is None else (*shape, layers)
-                if shape is None or key in self._graphs:
+                if shape is None:
+                    continue
+                key = (*shape, layers) if layers else shape  # the keys `forward` and `forward_features` use
+                key = (*key, "tree") if tree else key
+                if key in self._graphs:
                     continue
                 tok_buf[:Bb, :Tb].zero_()
                 pos_buf[:Bb].zero_()
                 slot_buf[:Bb].fill_(self.num_slots)  # the scratch slot: no request's cache is touched
-                self._graphs[key] = self._capture_or_fall_back(shape, layers=layers)
+                self._parents[:Bb, :Tb].fill_(-1)  # a tree of siblings (any tree: the graph reads the buffer)
+                self._graphs[key] = self._capture_or_fall_back(shape, layers=layers, tree=tree)
         return self.stats.captures - before
 
     def shape_for(self, B: int, T: int, max_pos: int) -> tuple[int, int, int] | None:

@@ -104,3 +104,22 @@ def test_greedy_tree_speculation_on_cuda_graphs_equals_target_only(tree):
     assert [r.token_ids for r in engine.generate_batch(prompts, params, SpecParams(5))] == want
     assert engine.generate(prompts[1], params, SpecParams(5)).token_ids == want[1]
     assert max(engine.timings.steps_by_k) > 5 and target.stats.graph_calls > replays
+
+
+def test_engine_warmup_captures_the_tree_verify_passes():
+    """`SpeculativeEngine.warmup(K)` with a tree drafter also captures the target's tree calls up to the tree's
+    nodes + 1 tokens: tree speculation afterwards captures nothing in the target and equals target-only."""
+    target = GraphCausalLM(random_llama(TINY, "cuda", torch.float32, seed=5))
+    draft = GraphCausalLM(random_llama(dataclasses.replace(TINY, n_layers=1), "cuda", torch.float32, seed=6))
+    cfg = EngineConfig(max_batch_size=2, max_seq_len=256, device="cuda")
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, TINY.vocab_size, (n,), generator=g).tolist() for n in (40, 50)]  # eager prefills
+    want = [r.token_ids for r in SpeculativeEngine(target, None, None, cfg).generate_batch(prompts, params)]
+    tree = TreeConfig((3, 2, 1))  # 3 + 6 + 6 = 15 nodes: verify calls of 16 tokens
+    engine = SpeculativeEngine(target, None, ModelDrafter(draft), dataclasses.replace(cfg, tree=tree))
+    engine.warmup(3)
+    assert any(key[-1] == "tree" and key[1] == 16 for key in target._graphs), list(target._graphs)
+    before = target.stats.captures
+    assert [r.token_ids for r in engine.generate_batch(prompts, params, SpecParams(3))] == want
+    assert target.stats.captures == before, target.stats.shapes

@@ -12,7 +12,7 @@ import torch
 from pipeline.config import EngineConfig, SamplingParams, SpecParams, TreeConfig
 from pipeline.drafters import ProposeRow, build_drafter
 from pipeline.engine import SpeculativeEngine
-from pipeline.heads.drafter import HeadDrafter, eagle3_dynamic_tree, eagle3_tree, medusa_tree
+from pipeline.heads.drafter import HeadDrafter, eagle3_dynamic_tree, eagle3_tree, medusa_tree, tree_plan
 from pipeline.models.graphs import GraphCausalLM, GraphConfig
 from pipeline.models.loader import load_model
 from pipeline.rejection import accept, verify
@@ -86,7 +86,7 @@ def test_eagle3_tree_levels_equal_a_chain_along_each_path(setup):
     head.step = recording
     u = torch.zeros(1, shape.num_nodes, dtype=torch.float64)
     tokens = eagle3_tree(head, logits[:1], r[:1], pending, slot0, shape, shape.depth, greedy, u, 8,
-                         drafter._out_ids)[0][0].tolist()
+                         drafter._out_ids, tree_plan(shape, shape.depth, torch.device("cpu")))[0][0].tolist()
     head.step = step
     assert len(node_logits) == shape.nodes_within(shape.depth - 1) and len(set(tokens)) > 1
     for n in node_logits:
@@ -185,14 +185,16 @@ def test_greedy_head_trees_equal_the_targets_output(setup, name, tree, path):
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     want = [r.token_ids for r in _engine(setup, None).generate_batch(PROMPTS, params)]
     engine = _engine(setup, name, tree, static=path == "static")
+    engine.head.static = engine.head.eagle and path == "static"  # the GPU's captured draft, run uncaptured
     assert engine.head is engine.drafter and engine.head.tree is not None and engine.k_policy is None
     got = engine.generate_batch(PROMPTS, params, SpecParams(4))
     assert [r.token_ids for r in got] == want
     assert sum(r.stats["drafted"] for r in got) > 0
     assert max(engine.timings.steps_by_k) > 4  # passes verified more nodes than a chain of K = 4 has
     assert engine.generate(PROMPTS[1], params, SpecParams(4)).token_ids == want[1]  # alone, in a reused slot
-    if path == "static":  # the tree passes ran on the static path
+    if path == "static":  # the tree passes ran on the static path, an EAGLE-3 head's drafts on static buffers
         assert engine.target.stats.graph_calls > engine.target.stats.eager_calls
+        assert any(k[0] == "static tree" for k in engine.head._chains) == engine.head.eagle
 
 
 def test_head_trees_stay_off_the_device_loop(setup):
@@ -207,14 +209,21 @@ def test_head_trees_stay_off_the_device_loop(setup):
     assert not engine._loops and max(engine.timings.steps_by_k) == 6
 
 
-@pytest.mark.parametrize("name", ["eagle3", "medusa"])
-def test_sampled_head_trees_replay_and_do_not_depend_on_the_batch(setup, name):
+@pytest.mark.parametrize("name, static", [("eagle3", False), ("eagle3", True), ("medusa", False)])
+def test_sampled_head_trees_replay_and_do_not_depend_on_the_batch(setup, name, static):
+    """static: the EAGLE-3 head's trees on static buffers over a fixed span (`_StaticFixedTree`, the GPU's captured
+    draft, run uncaptured): the same draws as the eager tree."""
     engine = _engine(setup, name, TreeConfig((3, 2, 1)))
+    engine.head.static = static
     params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=12, seed=s, ignore_eos=True) for s in (1, 2, 3)]
     singles = [engine.generate(p, q, SpecParams(3)).token_ids for p, q in zip(PROMPTS, params)]
     again = [engine.generate(p, q, SpecParams(3)).token_ids for p, q in zip(PROMPTS, params)]
     batched = [r.token_ids for r in engine.generate_batch(PROMPTS[:3], params, SpecParams(3))]
     assert singles == again == batched
+    assert any(k[0] == "static tree" for k in engine.head._chains) == static
+    if static:  # the eager tree draws the same tokens from the same seeds
+        eager = _engine(setup, name, TreeConfig((3, 2, 1)))
+        assert [eager.generate(p, q, SpecParams(3)).token_ids for p, q in zip(PROMPTS, params)] == singles
 
 
 def test_a_hybrid_head_is_refused_with_a_tree(setup):
