@@ -147,8 +147,10 @@ class Coordinator:
         self._abandoning: set[asyncio.Task] = set()
         # A draft model's token trees (`drafter.tree`), where the target verifies trees: the drafter worker drafts
         # them, the target worker verifies them. Their shape is static (the request's K caps the depth), as in the
-        # engine: no adaptive K; and pre-speculation drafts chains: none.
+        # engine: no adaptive K. Pre-speculation drafts chains: none with a tree configured (the drafter replicas
+        # hold no branch slots then).
         self.trees = self.cfg.model_tree is not None and bool(self.info.get("supports_tree"))
+        self.prespec = self.cfg.coordinator.overlap and d.head is None and self.cfg.model_tree is None
         if self.cfg.model_tree is not None and not self.trees:
             logger.warning("drafter.tree: the target runs without tree attention; drafting chains")
         if self.trees and (self.cfg.coordinator.overlap or self.cfg.coordinator.adaptive_k):
@@ -507,7 +509,7 @@ class Coordinator:
     def _overlap_wanted(self, run: _Run, step: int) -> bool:
         """Pre-draft for `step`? Only while pre-drafts get used often enough: a wasted one costs drafter time
         the real draft then waits for. Requests where they rarely hit still probe now and then."""
-        return self.cfg.coordinator.overlap and self.cfg.drafter.head is None and not self.trees and (
+        return self.prespec and (
             run.overlap_hit_rate >= OVERLAP_MIN_HIT_RATE or step % OVERLAP_PROBE_EVERY == 0)
 
     def _prespeculate(self, run: _Run, state: RequestState, draft: Draft, answer: Draft) -> None:

@@ -198,7 +198,8 @@ class DrafterWorker:
     def _run_batch(self, calls: Sequence[ProposeCall | PrespecCall]) -> list[Any]:
         """The engine's propose path (`pipeline.step`) over this pass's rows: a propose call is one row, a
         pre-speculation call one row per branch; each row drafts in the slot of its request's group whose cache
-        shares the longest prefix with its context (`pipeline.prespec.assign_keys`)."""
+        shares the longest prefix with its context (`pipeline.prespec.assign_keys`). Rows that ask for token trees
+        are drafted in a call of their own, by the tree drafter (`ProposeCall.tree`)."""
         t0 = time.perf_counter()
         results: list[Any] = [None] * len(calls)
         rows: list[ProposeRow] = []

@@ -122,6 +122,26 @@ def first_children(draft) -> list[int]:
         path.append(draft.tokens[node])
 
 
+def test_a_tree_travels_as_nodes_and_parents_and_is_cut_by_depth():
+    """`Draft.head(n)` keeps a tree's nodes above depth n; `pack` stacks a tree beside a chain (one child a node) and
+    an empty row, padding nodes hanging as a chain."""
+    import numpy as np
+
+    from pipeline.step import Draft, pack
+
+    probs = np.ones((5, 1), dtype=np.float32)
+    tree = Draft([10, 11, 12, 13, 14], np.arange(5)[:, None] + 10, probs, parents=[-1, -1, 0, 0, 2])  # depths 0 0 1 1 2
+    assert tree.head(1).tokens == [10, 11] and tree.head(1).parents == [-1, -1]
+    assert tree.head(2).parents == [-1, -1, 0, 0] and tree.head(2).top_ids.shape == (4, 1)
+    assert tree.head(3).tokens == tree.head(9).tokens == tree.tokens and tree.head(9).parents == tree.parents
+    assert Draft([7, 8, 9]).head(2).tokens == [7, 8]
+    block = pack([tree, Draft([7, 8]), Draft([])])
+    assert block.token_ids.tolist() == [[10, 11, 12, 13, 14], [7, 8, 0, 0, 0], [0] * 5]
+    assert block.num_draft.tolist() == [5, 2, 0]
+    assert block.parents.tolist() == [[-1, -1, 0, 0, 2], [-1, 0, 1, 2, 3], [-1, 0, 1, 2, 3]]
+    assert pack([Draft([7, 8])]).parents is None  # chains stay chains
+
+
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_the_workers_run_the_engines_tree_steps(models, sampling):
     from pipeline.config import SamplingParams
