@@ -239,3 +239,33 @@ def test_served_draft_model_trees_equal_the_engine(models, app):
     first = client.completions.create(**seeded).choices[0].token_ids
     again = client.completions.create(**seeded).choices[0].token_ids
     assert first == again == engine_result(models, SEEDED)[1].token_ids
+
+
+@pytest.mark.slow
+def test_served_trees_of_concurrent_requests_give_the_engines_tokens(models, app):
+    """Two greedy streams at once (their trees may meet in a target pass, of other sizes near a request's end): each
+    request's output is the engine's."""
+    import openai
+
+    url, model = app
+    prompts, lengths = [PROMPT, [3, 9, 27, 81, 2]], [37, 29]
+
+    async def one(client, prompt, n):
+        out = await client.completions.create(model=model, prompt=prompt, max_tokens=n, temperature=0,
+                                              extra_body={"ignore_eos": True})
+        return out.choices[0].token_ids
+
+    async def both():
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120) as client:
+            return await asyncio.gather(*[one(client, p, n) for p, n in zip(prompts, lengths)])
+
+    from pipeline.config import EngineConfig, SamplingParams, SpecParams
+    from pipeline.drafters import ModelDrafter
+    from pipeline.engine import SpeculativeEngine
+    from pipeline.models.loader import load_model
+
+    engine = SpeculativeEngine(load_model(models["target"])[0], None, ModelDrafter(load_model(models["draft"])[0]),
+                               EngineConfig(max_batch_size=2, max_seq_len=MAX_SEQ_LEN, tree=TREE))
+    want = [engine.generate(p, SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0), SpecParams(K)).token_ids
+            for p, n in zip(prompts, lengths)]
+    assert asyncio.run(both()) == want
