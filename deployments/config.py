@@ -179,8 +179,8 @@ class DrafterConfig(_Strict):
         "alone ('eagle3:DIR' or 'medusa:DIR', not behind prompt lookup) in the target worker (head_placement "
         "'target'), or by a draft model alone (not 'lookup+MODEL'; a static shape) on drafter replicas "
         "(pipeline.tree.TreeDrafter), whose trees travel to the target as nodes, parents and sparse probabilities. "
-        "With a draft model, pre-speculation and the adaptive K are off (chains only; logged). A tensor-parallel "
-        "target keeps chains (logged).",
+        "With a draft model, pre-speculation and the adaptive K are off (chains only; logged). A target without "
+        "tree attention (tensor parallel, the generic runner) keeps chains (logged).",
     )
     device: str = "cpu"
     dtype: str = "float32"

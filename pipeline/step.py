@@ -120,7 +120,7 @@ class Draft:
                    block.top_probs[b, :n].numpy().copy(), parents)
 
     def head(self, n: int) -> "Draft":
-        """The draft cut to depth n: a chain's first n tokens, a tree's nodes above depth n (they come first)."""
+        """The draft cut to depth n: a chain's first n tokens, a tree's nodes of depth < n (they come first)."""
         if self.parents is not None:
             depths: list[int] = []
             for p in self.parents:

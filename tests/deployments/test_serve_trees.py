@@ -161,6 +161,26 @@ def test_the_workers_run_the_engines_tree_steps(models, sampling):
         assert state.output_ids == engine_result(models, GREEDY, tree=None, drafter=False)[1].token_ids
 
 
+def test_a_target_without_tree_attention_says_so_and_gets_chains(models, tmp_path):
+    """The coordinator asks for trees only where the target worker's info says it verifies them (the generic runner
+    does not); a call that does not ask gets the draft model's chain."""
+    from deployments.drafter_replica import DrafterWorker
+    from deployments.messages import ProposeCall
+    from deployments.target_replica import TargetWorker
+    from pipeline.config import SamplingParams
+    from tests.support.models import make_tiny_gpt2
+
+    generic = TargetWorker(str(make_tiny_gpt2(tmp_path / "gpt2", vocab_size=128)), max_batch_size=1, max_seq_len=64)
+    fast = TargetWorker(models["target"], max_batch_size=1, max_seq_len=64)
+    assert asyncio.run(generic.info())["supports_tree"] is False and asyncio.run(fast.info())["supports_tree"] is True
+    drafter = DrafterWorker(models["draft"], max_batch_size=2, max_seq_len=64, tree=TREE)
+    params = SamplingParams(max_tokens=8, temperature=0.0, seed=0)
+    for rid, tree in (("chain", False), ("tree", True)):
+        asyncio.run(drafter.admit(rid))
+        got = drafter._run_batch([ProposeCall(rid, 0, PROMPT, K, params, 0, 64, tree=tree)])[0]
+        assert (len(got.tokens), got.parents is None) == ((K, True) if not tree else (TREE.max_nodes, False))
+
+
 # -- the config ------------------------------------------------------------------------------------------
 
 
