@@ -174,9 +174,13 @@ class DrafterConfig(_Strict):
     )
     tree: Optional[TreeSpec] = Field(
         None,
-        description="Token trees instead of chains, drafted by a feature head alone ('eagle3:DIR' or 'medusa:DIR', "
-        "not behind prompt lookup) in the target worker (head_placement 'target'), which verifies them in the same "
-        "pass with its tree attention: the request's K caps the tree's depth. A tensor-parallel target keeps chains.",
+        description="Token trees instead of chains: the request's K caps the tree's depth, the target verifies every "
+        "node in one pass with its tree attention and keeps the accepted path in its cache. Drafted by a feature head "
+        "alone ('eagle3:DIR' or 'medusa:DIR', not behind prompt lookup) in the target worker (head_placement "
+        "'target'), or by a draft model alone (not 'lookup+MODEL'; a static shape) on drafter replicas "
+        "(pipeline.tree.TreeDrafter), whose trees travel to the target as nodes, parents and sparse probabilities. "
+        "With a draft model, pre-speculation and the adaptive K are off (chains only; logged). A target without "
+        "tree attention (tensor parallel, the generic runner) keeps chains (logged).",
     )
     device: str = "cpu"
     dtype: str = "float32"
@@ -198,12 +202,24 @@ class DrafterConfig(_Strict):
         if is_head(self.draft) and self.draft.startswith(HYBRID_PREFIX) and self.head_placement != "target":
             raise ValueError(f"drafter.draft={self.draft!r}: a feature head behind prompt lookup runs in the target "
                              "worker only (head_placement 'target'), where the context the lookup reads is")
-        if self.tree is not None and not (is_head(self.draft) and not self.draft.startswith(HYBRID_PREFIX)
-                                          and self.head_placement == "target"):
-            raise ValueError(f"drafter.tree: token trees in Serve are drafted by a feature head alone ('eagle3:DIR' "
-                             f"or 'medusa:DIR') in the target worker (head_placement 'target'); drafter.draft is "
-                             f"{self.draft!r} with head_placement {self.head_placement!r}")
+        if self.tree is not None:
+            self._check_tree()
         return self
+
+    def _check_tree(self) -> None:
+        """Who drafts token trees in Serve: a feature head alone in the target worker, or a draft model alone."""
+        hybrid = self.draft.startswith(HYBRID_PREFIX)
+        if is_head(self.draft) and not hybrid and self.head_placement == "target":
+            return
+        if is_head(self.draft) or self.model is None or hybrid or is_synthetic(self.draft):
+            raise ValueError(f"drafter.tree: token trees in Serve are drafted by a feature head alone ('eagle3:DIR' or "
+                             f"'medusa:DIR') in the target worker (head_placement 'target'), or by a draft model "
+                             f"alone on drafter replicas (e.g. 'smollm2-135m-distill', not behind "
+                             f"'{HYBRID_PREFIX}'); drafter.draft is {self.draft!r}"
+                             + (f" with head_placement {self.head_placement!r}" if is_head(self.draft) else ""))
+        if self.tree.dynamic:
+            raise ValueError(f"drafter.tree: a dynamic tree is drafted by an EAGLE-3 head; drafter.draft "
+                             f"{self.draft!r} is a draft model, which drafts static shapes (leave out dynamic)")
 
     @property
     def drafts(self) -> bool:
@@ -378,6 +394,15 @@ class AppConfig(_Strict):
             raise ValueError(f"drafter.draft={self.drafter.draft!r}: a feature head reads the target's hidden states, "
                              "which a tensor-parallel target does not return (target.tensor_parallel_size must be 1)")
         return self
+
+    @property
+    def model_tree(self) -> Optional[TreeConfig]:
+        """The token tree the draft model on the drafter replicas drafts (`drafter.tree` with a draft model); None:
+        chains, also for a tensor-parallel target, whose runner has no tree attention."""
+        d = self.drafter
+        if d.tree is None or not d.uses_model or self.target.tensor_parallel_size > 1:
+            return None
+        return d.tree.config()
 
     @model_validator(mode="after")
     def _tls_needs_rediss(self) -> "AppConfig":

@@ -26,6 +26,11 @@ draft (`head_draft`), which it drafts right before verifying it; on a drafter re
 target's states of the newly committed positions (`HeadFeatures`), which the next propose call takes to the
 drafter. Neither pre-speculates: a head's next draft needs the states of the step's outcome.
 
+Token trees of a draft model (`drafter.tree`, `AppConfig.model_tree`): each propose call asks the drafter worker for a
+tree (`ProposeCall.tree`) of depth up to the step's K, which travels on in the verify call as nodes, parents and sparse
+probabilities; the target worker verifies it in one pass (`verify_and_accept`, the engine's) and keeps the accepted
+path. Their shape is static: no adaptive K, and no pre-speculation (it drafts chains).
+
 Admission (deployments.admission): before its first step a request takes a KV-cache slot on a target worker
 (`_admit`: the least loaded one; when its queue is full, the next; when every one is full, HTTP 429), waiting there
 in FIFO order while all slots are held, then one on its drafter worker. It keeps them until it finishes, fails, is
@@ -140,8 +145,20 @@ class Coordinator:
         # Abandon tasks (mark a request cancelled, free its slots) run after their stream is gone: the loop keeps
         # only weak references to tasks, so one nobody holds can be collected before it finishes.
         self._abandoning: set[asyncio.Task] = set()
+        # A draft model's token trees (`drafter.tree`), where the target verifies trees: the drafter worker drafts
+        # them, the target worker verifies them. Their shape is static (the request's K caps the depth), as in the
+        # engine: no adaptive K. Pre-speculation drafts chains: none with a tree configured (the drafter replicas
+        # hold no branch slots then).
+        self.trees = self.cfg.model_tree is not None and bool(self.info.get("supports_tree"))
+        self.prespec = self.cfg.coordinator.overlap and d.head is None and self.cfg.model_tree is None
+        if self.cfg.model_tree is not None and not self.trees:
+            logger.warning("drafter.tree: the target runs without tree attention; drafting chains")
+        if self.trees and (self.cfg.coordinator.overlap or self.cfg.coordinator.adaptive_k):
+            logger.info("drafter.tree: a draft model's token trees run without pre-speculation and adaptive K (the "
+                        "tree's shape is static; pre-speculation drafts chains)")
         # One K policy per coordinator, over its requests; bucketed by how many it is serving.
-        self.k_policy = new_k_policy() if self.cfg.coordinator.adaptive_k and d.drafts else None
+        adaptive = self.cfg.coordinator.adaptive_k and d.drafts and not self.trees
+        self.k_policy = new_k_policy() if adaptive else None
 
     async def model_info(self) -> dict[str, Any]:
         return {**self.info, "drafter": self.cfg.drafter.draft, "has_tokenizer": self.tokenizer is not None}
@@ -466,7 +483,8 @@ class Coordinator:
                     continue
             base = run.drafter_base if run.drafter_base >= 0 else 0
             call = ProposeCall(state.request_id, base, state.context_view[base:], want + extra, state.params,
-                               state.step, run.spec.draft_top_k, run.epoch, features=run.head_features)
+                               state.step, run.spec.draft_top_k, run.epoch, features=run.head_features,
+                               tree=self.trees)
             try:
                 got = await asyncio.wait_for(_call(run.drafter_handle.propose, call),
                                              self.cfg.coordinator.draft_timeout_s)
@@ -491,7 +509,7 @@ class Coordinator:
     def _overlap_wanted(self, run: _Run, step: int) -> bool:
         """Pre-draft for `step`? Only while pre-drafts get used often enough: a wasted one costs drafter time
         the real draft then waits for. Requests where they rarely hit still probe now and then."""
-        return self.cfg.coordinator.overlap and self.cfg.drafter.head is None and (
+        return self.prespec and (
             run.overlap_hit_rate >= OVERLAP_MIN_HIT_RATE or step % OVERLAP_PROBE_EVERY == 0)
 
     def _prespeculate(self, run: _Run, state: RequestState, draft: Draft, answer: Draft) -> None:

@@ -14,6 +14,12 @@ token's; else (restarted, moved, or states it never got) it answers CACHE_MISS, 
 re-prefill the request, which sends the states of the whole prefix. It loads the target model for the weights it
 shares (EAGLE-3: the embedding; Medusa: the output layer); no pre-speculation.
 
+Token trees (`drafter.tree` with a draft model): a call with `tree` set is drafted by `pipeline.tree.TreeDrafter` over
+the same `ModelDrafter`, as in the engine: the request's K caps the tree's depth, and the answer is the tree's nodes
+(breadth first) with their parents and sparse distributions. The draft cache then holds the context and the first
+node, and the next call's context (the accepted path and the target's token) is fed from where the two part, as
+after a chain: the cache follows the accepted path without a copy. No pre-speculation (it drafts chains).
+
 Slots (deployments.admission): a request acquires one (`admit`, after its target slot, so two requests never wait
 for each other's) before it drafts here and keeps it until it is released; while all are held the next request
 waits its turn instead of evicting another one's cache.
@@ -35,7 +41,7 @@ from deployments.config import DRAFTER, AppConfig
 from deployments.messages import PrespecCall, ProposeCall
 from deployments.workers import CACHE_MISS, STALE, EpochFence, ModelHost, kv_slots, spawn_workers, warm_up
 from pipeline.compat import IncompatibleDrafter
-from pipeline.config import is_head, is_synthetic
+from pipeline.config import TreeConfig, is_head, is_synthetic
 from pipeline.cross_tokenizer import CrossTokenizerDrafter, cross_tokenizer_problem, same_vocabulary
 from pipeline.drafters import ModelDrafter, ProposeRow
 from pipeline.heads.drafter import HeadDrafter
@@ -46,6 +52,7 @@ from pipeline.prespec import assign_keys, group_keys
 from pipeline.sampling import SamplingTensors
 from pipeline.step import CACHE_SLACK, Draft, catch_up, propose
 from pipeline.synthetic import SyntheticDrafter
+from pipeline.tree import TreeDrafter, supports_tree
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +66,10 @@ class DrafterWorker:
         rank: int = 0, world_size: int = 1, kv_cache_gb: Optional[float] = None, kv_cache_fraction: float = 0.9,
         target: Optional[str] = None,  # the target model: a draft model of another tokenizer drafts through text
         prespec_branches: int = 0,  # KV-cache slots per request for pre-speculated branches (pipeline.prespec)
+        tree: Optional[TreeConfig] = None,  # `drafter.tree`: calls that ask for a tree get one of this shape
     ) -> None:
         torch.set_num_threads(torch_threads)
+        self.tree_drafter: Optional[TreeDrafter] = None  # the draft model drafting token trees (`ProposeCall.tree`)
         self._head_read: dict[str, int] = {}  # a feature head: request id -> committed positions [0, n) it has read
         if is_head(model):
             self._init_head(model, max_batch_size, max_seq_len, device, dtype, batch_wait_ms, target)
@@ -90,6 +99,8 @@ class DrafterWorker:
                                               f"draft through text: {problem}")
                 logger.info("drafter %s: another tokenizer than the target's; drafting through text", model)
                 self.drafter = CrossTokenizerDrafter(self.drafter, target_tok, draft_tok)
+        if tree is not None:
+            self.tree_drafter = _tree_drafter(self.drafter, tree)
         # Branches draft under slot keys of their own (`pipeline.prespec.group_keys`): a draft model's cache slots
         # (ModelDrafter, the synthetic drafter). A drafter through text keeps per-request state: no branches.
         self.branches = (min(prespec_branches, physical // num_slots - 1) if isinstance(self.drafter, ModelDrafter)
@@ -187,11 +198,13 @@ class DrafterWorker:
     def _run_batch(self, calls: Sequence[ProposeCall | PrespecCall]) -> list[Any]:
         """The engine's propose path (`pipeline.step`) over this pass's rows: a propose call is one row, a
         pre-speculation call one row per branch; each row drafts in the slot of its request's group whose cache
-        shares the longest prefix with its context (`pipeline.prespec.assign_keys`)."""
+        shares the longest prefix with its context (`pipeline.prespec.assign_keys`). Rows that ask for token trees
+        are drafted in a call of their own, by the tree drafter (`ProposeCall.tree`)."""
         t0 = time.perf_counter()
         results: list[Any] = [None] * len(calls)
         rows: list[ProposeRow] = []
         owners: list[tuple[int, int]] = []  # per row: (call index, branch index or -1)
+        trees: list[bool] = []  # per row: drafts a token tree
         params, steps, top_k = [], [], 1
         for b, c in enumerate(calls):
             if not self.epochs.admits(c.request_id, c.epoch):  # its coordinator lost the request
@@ -220,19 +233,26 @@ class DrafterWorker:
             for j, ((context, n), key) in enumerate(zip(wanted, keys)):
                 rows.append(ProposeRow(key, context, n))
                 owners.append((b, j if isinstance(c, PrespecCall) else -1))
+                trees.append(isinstance(c, ProposeCall) and c.tree and self.tree_drafter is not None)
                 params.append(c.params)
                 steps.append(c.step)
             top_k = max(top_k, c.draft_top_k)
-        if rows:
+        for tree in (False, True):  # chains and trees: a drafter call each
+            group = [r for r in range(len(rows)) if trees[r] == tree]
+            if not group:
+                continue
+            drafter = self.tree_drafter if tree else self.drafter
             device = self.drafter.device  # the draft model's: its sampling runs there
-            sampling = SamplingTensors.from_params(params, device)
-            step_t = torch.tensor(steps, dtype=torch.int64, device=device)
+            sampling = SamplingTensors.from_params([params[r] for r in group], device)
+            step_t = torch.tensor([steps[r] for r in group], dtype=torch.int64, device=device)
+            part = [rows[r] for r in group]
             with torch.inference_mode():
-                catch_up(self.drafter, rows)
-                block = propose(self.drafter, rows, sampling, step_t, top_k).to("cpu")
-            drafted = block.num_draft.tolist()  # a head may draft fewer (Medusa: one token a head)
-            for r, (b, j) in enumerate(owners):
-                draft = Draft.of(block, r, min(rows[r].num_draft, drafted[r]))
+                catch_up(drafter, part)
+                block = propose(drafter, part, sampling, step_t, top_k).to("cpu")
+            drafted = block.num_draft.tolist()  # a head may draft fewer (Medusa: one token a head); a tree: its nodes
+            for i, r in enumerate(group):
+                b, j = owners[r]
+                draft = Draft.of(block, i, drafted[i] if tree else min(rows[r].num_draft, drafted[i]))
                 if j < 0:
                     results[b] = draft
                 else:
@@ -263,12 +283,29 @@ class DrafterServer(ModelHost):
     async def __init__(self, config: dict[str, Any]) -> None:
         cfg = AppConfig.model_validate(config)
         d = cfg.drafter
+        tree = cfg.model_tree  # pre-speculation drafts chains: no branch slots with trees
+        if d.tree is not None and d.uses_model and tree is None:
+            logger.warning("drafter.tree: the target is tensor parallel (no tree attention); drafting chains")
         self.workers = spawn_workers(
             DrafterWorker, DRAFTER, d.resources, 1,
             model=d.model or d.head, max_batch_size=d.max_batch_size, max_seq_len=cfg.target.max_seq_len,
             device=d.device, dtype=d.dtype, torch_threads=d.resources.torch_threads, batch_wait_ms=d.batch_wait_ms,
             kv_cache_gb=d.kv_cache_gb, kv_cache_fraction=d.kv_cache_fraction, target=cfg.target.model or DEMO_TARGET,
-            prespec_branches=cfg.coordinator.prespec_branches if cfg.coordinator.overlap else 0,
+            prespec_branches=cfg.coordinator.prespec_branches if cfg.coordinator.overlap and not tree else 0,
+            tree=tree,
         )
         self._info = await self.workers[0].info.remote()
 
+
+def _tree_drafter(drafter: Any, tree: TreeConfig) -> Optional[TreeDrafter]:
+    """The draft model drafting trees of `tree`'s shape (`pipeline.tree.TreeDrafter`, as the engine's), or None where
+    it cannot (logged): a draft model through text, or one on a runner without tree attention, drafts chains."""
+    if type(drafter) is not ModelDrafter:
+        logger.warning("drafter.tree: drafter %s drafts through text (another tokenizer); drafting chains",
+                       drafter.name)
+        return None
+    if not supports_tree(drafter.model):
+        logger.warning("drafter.tree: draft model %s runs on %s, which has no tree attention; drafting chains",
+                       drafter.name, type(drafter.model).__name__)
+        return None
+    return TreeDrafter(drafter, tree)

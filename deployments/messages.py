@@ -2,8 +2,9 @@
 
 Sampling fields are validated once, at the HTTP edge (`deployments.protocol` -> `SamplingParams`); the
 `SamplingParams` and `SpecParams` objects themselves travel on, and nobody downstream rebuilds them from dicts.
-A row's draft travels as `pipeline.step.Draft` (a drafter worker's answer, inside a `VerifyCall`), a target pass's
-outcome per row as `pipeline.step.Verdict` (a target worker's answer).
+A row's draft travels as `pipeline.step.Draft` (a drafter worker's answer, inside a `VerifyCall`; a token tree as its
+nodes, their parents and each node's sparse distribution), a target pass's outcome per row as `pipeline.step.Verdict`
+(a target worker's answer).
 Redis keeps JSON: `spec_to_json` / `spec_from_json` are its one conversion of the speculation settings (a request's
 state goes through `RequestState.to_dict` / `from_dict`).
 """
@@ -85,6 +86,7 @@ class ProposeCall:
     draft_top_k: int
     epoch: int = 1  # the caller's ownership epoch of the request (workers refuse older ones: `EpochFence`)
     features: Optional[HeadFeatures] = None  # a feature head's input not yet sent (head on the drafter replica)
+    tree: bool = False  # draft a token tree of the worker's shape (`drafter.tree`), num_draft capping its depth
 
 
 @dataclass

@@ -30,6 +30,11 @@ Feature heads (`drafter.head_placement`, `pipeline.heads.drafter.HeadDrafter`):
   (the cache keeps the accepted path); a verdict is a chain's (its tokens, and the tree's depth as `num_draft`).
 - 'drafter': each verdict carries the states a head on a drafter replica reads (`messages.HeadFeatures`): those of
   the pending token and the accepted drafts, after a prefill those of the prefix first.
+
+Token trees of a draft model (`drafter.tree`): a call's `draft` is then a tree (its nodes with their parents), which
+`pipeline.step.pack` stacks with the pass's other rows and `verify_and_accept` verifies with the target's tree
+attention and compacts to the accepted path, as for a head's trees; `info` says whether this worker's runner can
+(`supports_tree`: not a tensor-parallel group, not the generic runner).
 """
 
 from __future__ import annotations
@@ -125,7 +130,8 @@ class TargetWorker:
     async def info(self) -> dict[str, Any]:
         i = self.model.info
         return {"name": i.name, "path": i.path, "vocab_size": i.vocab_size, "eos_token_ids": list(i.eos_token_ids),
-                "max_seq_len": self.max_seq_len, "num_slots": self.num_slots}
+                "max_seq_len": self.max_seq_len, "num_slots": self.num_slots,
+                "supports_tree": supports_tree(self.model)}  # verifies token trees (`drafter.tree`)
 
     async def ping(self) -> bool:
         return True

@@ -101,39 +101,53 @@ def empty_block(batch: int, device: torch.device | str) -> DraftBlock:
 
 @dataclass
 class Draft:
-    """One row's draft as it travels between processes: ids and the sparse distribution they were drawn from."""
+    """One row's draft as it travels between processes: ids and the sparse distribution they were drawn from; a token
+    tree's nodes (breadth first, `pipeline.tree`) with each one's parent."""
 
     tokens: list[int]  # d_0..d_{n-1}
     top_ids: Any = None  # [n, k] int64 array, or None: point masses (prompt lookup)
     top_probs: Any = None  # [n, k] float32 array
+    parents: Optional[list[int]] = None  # [n] a tree's parent node of each node (-1: the pending token); None: a chain
 
     @classmethod
     def of(cls, block: DraftBlock, b: int, n: int) -> "Draft":
-        """Row b's first n drafts of a host-side block."""
+        """Row b's first n drafts (a tree's first n nodes) of a host-side block."""
+        parents = None if block.parents is None else block.parents[b, :n].tolist()
         if block.top_ids is None:
-            return cls(block.token_ids[b, :n].tolist())
+            return cls(block.token_ids[b, :n].tolist(), parents=parents)
         # the whole support the draft sampled from (the batch's top-k), or verification is inexact;
         # numpy: 15x cheaper to pickle than torch
         return cls(block.token_ids[b, :n].tolist(), block.top_ids[b, :n].numpy().copy(),
-                   block.top_probs[b, :n].numpy().copy())
+                   block.top_probs[b, :n].numpy().copy(), parents)
 
     def head(self, n: int) -> "Draft":
+        """The draft cut to depth n: a chain's first n tokens, a tree's nodes of depth < n (they come first)."""
+        if self.parents is not None:
+            depths: list[int] = []
+            for p in self.parents:
+                depths.append(0 if p < 0 else depths[p] + 1)
+            n = sum(1 for d in depths if d < n)
         cut = lambda a: None if a is None else a[:n]  # noqa: E731
-        return Draft(self.tokens[:n], cut(self.top_ids), cut(self.top_probs))
+        return Draft(self.tokens[:n], cut(self.top_ids), cut(self.top_probs), cut(self.parents))
 
 
 def pack(drafts: Sequence[Draft]) -> DraftBlock:
-    """Stack rows' drafts into one host-side block of width K = the longest draft."""
+    """Stack rows' drafts into one host-side block of width K = the longest draft (a tree's nodes: with parents)."""
     K = max((len(d.tokens) for d in drafts), default=0)
     B = len(drafts)
     tokens = torch.zeros(B, K, dtype=torch.int64)
     num_draft = torch.tensor([len(d.tokens) for d in drafts], dtype=torch.int64)
     for b, d in enumerate(drafts):
         tokens[b, : len(d.tokens)] = torch.tensor(d.tokens, dtype=torch.int64)
-    top_ids = top_probs = None
+    top_ids = top_probs = parents = None
     if K > 0 and any(d.top_ids is not None for d in drafts):
         top_ids, top_probs = pad_sparse(drafts, K)
-    return DraftBlock(tokens, num_draft, top_ids, top_probs)
+    if K > 0 and any(d.parents is not None for d in drafts):  # a tree: a chain row is the tree of one child a node
+        parents = torch.arange(-1, K - 1, dtype=torch.int64).repeat(B, 1)  # [B, K]; padding nodes hang as a chain
+        for b, d in enumerate(drafts):
+            if d.parents is not None:
+                parents[b, : len(d.parents)] = torch.tensor(d.parents, dtype=torch.int64)
+    return DraftBlock(tokens, num_draft, top_ids, top_probs, parents)
 
 
 def pad_sparse(drafts: Sequence[Draft], K: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from specserve.cmd_generate import add_tree_arguments
 from specserve.prompts import SPEC_BENCH_DEV
 
 
@@ -31,6 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "'medusa:DIR' (default: the demo target's default drafter, as `specserve serve` deploys it)")
     p.add_argument("--head-placement", choices=("target", "drafter"), default="target",
                    help="with a feature head: drafter.head_placement (in the target workers, or on drafter replicas)")
+    add_tree_arguments(p)  # drafter.tree in the app, EngineConfig.tree in the engine
     p.add_argument("--api-key", default=None,
                    help="the deployed app takes this key and the clients send it (default: the first key of "
                         "$SPECSERVE_API_KEY; unset: no key)")

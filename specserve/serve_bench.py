@@ -36,6 +36,7 @@ from pipeline.config import EngineConfig, SamplingParams, SpecParams, is_head
 from pipeline.drafters import HYBRID_PREFIX, draft_model_spec
 from pipeline.engine import SpeculativeEngine, default_draft
 from pipeline.models.store import resolve
+from specserve.cmd_generate import tree_config, tree_draft
 from specserve.prompts import load_prompts
 from specserve.spec_bench import machine
 
@@ -93,14 +94,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     apply_ray_defaults()
     torch.set_num_threads(args.threads)
     target = str(resolve(None))
-    draft = args.draft or default_draft(None)  # what `specserve serve` deploys for the demo target
+    tree = tree_config(args) if getattr(args, "tree", None) else None  # the same tree in the engine and the app
+    # what `specserve serve` deploys for the demo target; a tree drafts with a 'lookup+WORD' drafter's WORD alone
+    draft = tree_draft(tree, args.draft or default_draft(None))
     model_part = draft_model_spec(draft)
     if model_part is not None:
         model_path = str(resolve(model_part))
         draft = HYBRID_PREFIX + model_path if draft.startswith(HYBRID_PREFIX) else model_path
-    # The engine runs the K policy the coordinator runs (both adapt K per step for greedy requests, unless off).
-    engine = SpeculativeEngine.from_pretrained(target, draft, EngineConfig(max_batch_size=16, max_seq_len=2048),
-                                               adaptive_k=not args.fixed_k)
+    # The engine runs the K policy the coordinator runs (both adapt K per step for greedy requests, unless off; neither
+    # with a tree).
+    engine = SpeculativeEngine.from_pretrained(
+        target, draft, EngineConfig(max_batch_size=16, max_seq_len=2048, tree=tree), adaptive_k=not args.fixed_k)
     samples = load_prompts(args.prompts, args.per_category)
     prompts = [engine.encode(s.prompt, chat=True) for s in samples]
     params = SamplingParams(max_tokens=args.max_tokens, seed=0)
@@ -115,6 +119,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        **({"head_placement": args.head_placement} if is_head(draft) else {})},
            "speculation": {"num_draft_tokens": args.num_draft_tokens},
            "coordinator": {"overlap": not args.no_overlap, "adaptive_k": not args.fixed_k}}
+    if tree is not None:
+        cfg["drafter"]["tree"] = ({"paths": [list(p) for p in tree.paths]} if tree.paths else
+                                  {"branching": list(tree.branching), "max_nodes": tree.max_nodes,
+                                   "dynamic": tree.dynamic})
     if getattr(args, "prespec_branches", None) is not None:
         cfg["coordinator"]["prespec_branches"] = args.prespec_branches
     api_key = getattr(args, "api_key", None) or next(iter(envs.SPECSERVE_API_KEY), None)
@@ -163,7 +171,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "target": target,
         "drafter": draft if model_part is None else draft.replace(model_path, Path(model_path).name),
-        "head_placement": args.head_placement if is_head(draft) else None,
+        "head_placement": args.head_placement if is_head(draft) else None, "tree": getattr(args, "tree", None),
+        "tree_nodes": getattr(args, "tree_nodes", None),
         "k": args.num_draft_tokens, "max_tokens": args.max_tokens, "threads": args.threads, "prompts": len(prompts),
         "overlap": not args.no_overlap, "load_average_start": os.getloadavg(),
         "single": {"engine": agg(single["engine"]), "http": agg(single["http"]), "greedy_mismatches": mismatches,
@@ -223,13 +232,20 @@ def prespec_summary(specs: list[dict[str, Any]]) -> dict[str, Any]:
             "draft_wait_ms": per_step["draft_s"], "verdict_ms": per_step["verify_s"], "step_ms": per_step["step_s"]}
 
 
+def tree_words(r: dict[str, Any]) -> str:
+    """', tree `3,2,2,1` of 8 nodes' for a run with a tree; '' for chains."""
+    if not r.get("tree"):
+        return ""
+    return f", tree `{r['tree']}`" + (f" of {r['tree_nodes']} nodes" if r.get("tree_nodes") else "")
+
+
 def markdown(r: dict[str, Any]) -> str:
     s = r["single"]
     lines = [
-        f"Machine: {r['machine']}; {r['date']}; target `{Path(r['target']).name}`, drafter {r['drafter']}, "
-        f"K={r['k']}, greedy, max_tokens={r['max_tokens']}, {r['prompts']} Spec-Bench prompts, torch threads "
-        f"{r['threads']} (engine and target worker), overlap {'on' if r['overlap'] else 'off'}; load average "
-        f"{r['load_average_start'][0]:.1f} at start, {r['load_average_end'][0]:.1f} at end.",
+        f"Machine: {r['machine']}; {r['date']}; target `{Path(r['target']).name}`, drafter {r['drafter']}"
+        f"{tree_words(r)}, K={r['k']}, greedy, max_tokens={r['max_tokens']}, {r['prompts']} Spec-Bench prompts, "
+        f"torch threads {r['threads']} (engine and target worker), overlap {'on' if r['overlap'] else 'off'}; load "
+        f"average {r['load_average_start'][0]:.1f} at start, {r['load_average_end'][0]:.1f} at end.",
         "",
         "| one stream | tokens/s | TTFT p50 / p90 / p99 (ms) | inter-chunk p50 / p90 / p99 (ms) |",
         "|---|---|---|---|",

@@ -49,7 +49,7 @@ RAY_SESSIONS = {
     "ray-cluster": ("tests/ops/test_ray_up.py", "tests/deployments/test_tp_serve.py", "tests/specserve/test_chaos.py"),
     "ray-apps": ("tests/deployments/test_admission_serve.py", "tests/deployments/test_one_step.py",
                  "tests/deployments/test_app.py", "tests/deployments/test_prespec.py",
-                 "tests/deployments/test_serve_heads.py",
+                 "tests/deployments/test_serve_heads.py", "tests/deployments/test_serve_trees.py",
                  "tests/deployments/test_api_keys.py", "tests/deployments/test_demo_app.py",
                  "tests/deployments/test_fuzz.py", "tests/deployments/test_ingress_strict.py"),
 }
