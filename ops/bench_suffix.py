@@ -11,7 +11,7 @@ records to `--out` (default `bench-out/suffix.json`). Greedy outputs are checked
 target-only decoding; the exit status is 1 if any differs.
 
     nice -n 10 python -m ops.bench_suffix          # 8 + 8 Spec-Bench prompts, 12 agentic, 64 tokens, ~9 minutes
-    python -m ops.bench_suffix --per-category 4 --agentic 6 --methods none,prompt-lookup:4,suffix-chain:8,suffix:8
+    python -m ops.bench_suffix --per-category 4 --agentic 6 --methods none,prompt-lookup:4,suffix:8
 """
 
 from __future__ import annotations
@@ -37,19 +37,6 @@ def parse_methods(text: str) -> list[tuple[str, int]]:
         name, _, k = part.partition(":")
         out.append((name, int(k) if k else (0 if name == "none" else 4)))
     return out
-
-
-SUFFIX_CHAIN = "suffix-chain"  # suffix decoding held to chains (SuffixConfig(tree=False)), beside `suffix`'s trees
-
-
-def drafter(word: str, target_info, tokenizer):
-    """The drafter of a method word: the drafter vocabulary, 'none', or `SUFFIX_CHAIN`."""
-    from pipeline.drafters import build_drafter
-    from pipeline.suffix import SuffixConfig, SuffixDrafter
-
-    if word == SUFFIX_CHAIN:
-        return SuffixDrafter(SuffixConfig(tree=False))
-    return None if word == "none" else build_drafter(word, target_info, tokenizer)
 
 
 def summarize(records: list[dict[str, Any]], methods: list[str]) -> dict[str, dict[str, dict[str, float]]]:
@@ -87,9 +74,8 @@ def main() -> int:
     p.add_argument("--per-category", type=int, default=8, help="Spec-Bench prompts per category (summarization, rag)")
     p.add_argument("--agentic", type=int, default=12, help="agentic-workload requests")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--methods", default="none,prompt-lookup:4,prompt-lookup:8,suffix-chain:8,suffix:8",
-                   help=f"comma list of DRAFT:K (none = target only; {SUFFIX_CHAIN}: suffix decoding's chains, "
-                   "suffix: its trees on a target with tree attention)")
+    p.add_argument("--methods", default="none,prompt-lookup:4,prompt-lookup:8,suffix:8",
+                   help="comma list of DRAFT:K (none = target only)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1: on a loaded machine two threads wait on each other)")
     p.add_argument("--budget-s", type=float, default=540.0,
@@ -99,6 +85,7 @@ def main() -> int:
     import torch
 
     from pipeline.config import EngineConfig, SamplingParams, SpecParams
+    from pipeline.drafters import build_drafter
     from pipeline.engine import SpeculativeEngine
     from pipeline.models.loader import load_model
     from pipeline.models.store import resolve
@@ -121,7 +108,7 @@ def main() -> int:
     mismatches = 0
     t_start = time.time()
     for wl, prompts in workloads.items():
-        engines = {n: SpeculativeEngine(model, tok, drafter(d, model.info, tok), config)
+        engines = {n: SpeculativeEngine(model, tok, None if d == "none" else build_drafter(d, model.info, tok), config)
                    for n, (d, _) in zip(names, methods)}
         first = next(iter(engines.values()))
         first.generate("Hello", SamplingParams(max_tokens=4), chat=True)  # first-call overheads, outside timing

@@ -54,7 +54,6 @@ from pipeline.step import (
     retire,
     verify_and_accept,
 )
-from pipeline.suffix import SuffixDrafter
 from pipeline.synthetic import SyntheticDrafter
 from pipeline.tree import TreeDrafter, supports_tree
 
@@ -124,8 +123,6 @@ class SpeculativeEngine:
         bind = getattr(drafter, "bind_target", None)  # self-speculation drafts through the runner that verifies
         if bind is not None:
             bind(target)
-        if isinstance(drafter, SuffixDrafter):
-            _suffix_trees(drafter, target)
         if self.config.tree is not None:
             drafter = _tree_drafter(drafter, target, self.config.tree)
             if _drafts_trees(drafter):
@@ -516,18 +513,6 @@ def _tree_drafter(drafter: Drafter | None, target: CausalLM, tree: TreeConfig) -
                         role, type(model).__name__)
             return drafter
     return TreeDrafter(drafter, tree)
-
-
-def _suffix_trees(drafter: SuffixDrafter, target: CausalLM) -> None:
-    """Suffix decoding drafts token trees where the target verifies trees (`SuffixConfig.tree`); chains otherwise,
-    logged."""
-    if not drafter.config.tree:
-        return
-    if supports_tree(target):
-        drafter.draft_trees()
-    else:
-        log.info("suffix decoding: the target runs on %s, which has no tree attention; drafting chains",
-                 type(target).__name__)
 
 
 def _drafts_trees(drafter: Drafter | None) -> bool:

@@ -17,7 +17,11 @@ before, in the context itself or in the store of earlier outputs; then, among th
 most of the occurrences still on the path (ties: the most recent occurrence's), as long as its share of all the
 occurrences (SuffixDecoding's path probability) stays at least `min_prob`. The length adapts to the match: at most
 `alpha * match length` tokens (and the row's budget), so a one-token match drafts little and a long one much.
-The draft is a single chain (the best path of the frequency tree): the engine verifies chains.
+The draft is a chain, the best path of the occurrences' frequency tree. Drafting the tree itself (SuffixDecoding's
+best-first tree of the same budget: siblings where the occurrences disagree, verified with the target's tree
+attention) accepts 0-3% more tokens per target pass on Spec-Bench summarization/RAG and agentic turns, with as many
+drafted nodes, for a tree pass of 0.96-1.05x a chain pass on the CPU: no measurable gain in tokens/s
+(docs/benchmarks.md, "Tried and rejected"). The chain is also what Serve's coordinator ships to the target worker.
 
 Drafts are point masses, like prompt lookup's: the verifier treats a draft without probabilities as proposed with
 probability 1, so the output is the target's exactly, greedy or sampled. Sampled rows draft from their own context
@@ -36,17 +40,13 @@ patterns from its own share of it.
 
 from __future__ import annotations
 
-import heapq
 from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
-import torch
-
 from pipeline.config import SUFFIX
 from pipeline.drafters import ProposeRow, point_mass_block
-from pipeline.rejection import DraftBlock
 
 SEPARATOR = -1  # between outputs in the store: no n-gram matches across it, no draft runs past it
 
@@ -61,7 +61,6 @@ class SuffixConfig:
     max_occurrences: int = 64  # most recent occurrences per source counted for a draft
     store_tokens: int = 32768  # the cross-request store's bound, in tokens (0: no store)
     max_requests: int = 4096  # per-request indexes kept; the least recently used goes first (rebuilt if needed)
-    tree: bool = True  # in the engine, with a target that verifies trees: draft frequency trees; False: chains
 
     def __post_init__(self) -> None:
         if self.max_pattern < 1 or self.alpha <= 0 or not 0 <= self.min_prob <= 1 or self.max_occurrences < 1:
@@ -142,58 +141,6 @@ def best_path(sources: Sequence[tuple[list[int], list[int]]], max_len: int, min_
     return path, cands
 
 
-def best_tree(sources: Sequence[tuple[list[int], list[int]]], budget: int, min_prob: float) -> tuple[
-        list[int], list[int], list[tuple[int, int]]]:
-    """The frequency tree of a set of occurrences (`sources` as for `best_path`): every distinct continuation
-    prefix is a node, scored by the share of all the occurrences that continue with it (its path probability);
-    the best-scored nodes (at most `budget`, so at most `budget` deep) with share >= `min_prob`, taken best first
-    (ties: the one found first, a parent's children in order of their most recent occurrence) -> (tokens,
-    parents: -1 under the pending token, each parent before its children, siblings best first; the (source, end)
-    occurrences that follow one of the kept leaves all the way)."""
-    cands = [(s, e) for s, (_, ends) in enumerate(sources) for e in ends]
-    total = len(cands)
-    tokens: list[int] = []
-    parents: list[int] = []
-    leaves: dict[int, list[tuple[int, int]]] = {}  # kept node -> its occurrences, while it has no kept child
-    heap: list[tuple[int, int, int, int, int, list[tuple[int, int]]]] = []  # (-count, order, parent, depth, ...)
-    order = 0
-
-    def push_children(node: int, depth: int, occurrences: list[tuple[int, int]]) -> None:
-        nonlocal order
-        groups: dict[int, list[tuple[int, int]]] = {}  # insertion order: the most recent occurrence first
-        for s, e in occurrences:
-            toks = sources[s][0]
-            if e + depth < len(toks) and toks[e + depth] != SEPARATOR:
-                groups.setdefault(toks[e + depth], []).append((s, e))
-        for token, group in groups.items():
-            heapq.heappush(heap, (-len(group), order, node, depth, token, group))
-            order += 1
-
-    push_children(-1, 0, cands)
-    while heap and len(tokens) < budget:
-        neg, _, parent, depth, token, group = heapq.heappop(heap)
-        if -neg < min_prob * total:  # every later node's share is at most this one's
-            break
-        node = len(tokens)
-        tokens.append(token)
-        parents.append(parent)
-        leaves.pop(parent, None)
-        leaves[node] = group
-        push_children(node, depth + 1, group)
-    return tokens, parents, [occ for group in leaves.values() for occ in group]
-
-
-def tree_block(trees: Sequence[tuple[list[int], list[int]]], k: int) -> DraftBlock:
-    """The block of rows' point-mass trees ((tokens, parents) each, at most k nodes); a batch whose trees are all
-    chains ships as chains (no tree mask, nothing to compact)."""
-    block = point_mass_block([tokens for tokens, _ in trees], k)
-    if all(parents == list(range(-1, len(parents) - 1)) for _, parents in trees):
-        return block
-    block.parents = torch.tensor([parents + [-1] * (k - len(parents)) for _, parents in trees],
-                                 dtype=torch.int64).reshape(len(trees), k)  # padding: -1
-    return block
-
-
 class OutputStore:
     """Earlier requests' outputs, at most `max_tokens` tokens (separators aside), in one `SuffixIndex`; the least
     recently used outputs go first."""
@@ -250,7 +197,6 @@ class SuffixDrafter:
         self.config = config or SuffixConfig()
         self.store = OutputStore(self.config.store_tokens, self.config.max_pattern)
         self._index: OrderedDict[str, SuffixIndex] = OrderedDict()  # least recently used first
-        self.trees = False  # `propose` drafts token trees (`draft_trees`), else chains
 
     def context_index(self, request_id: str, context: Sequence[int]) -> SuffixIndex:
         """The request's index, extended to `context` (rebuilt if `context` does not extend the indexed one)."""
@@ -268,46 +214,25 @@ class SuffixDrafter:
         return index
 
     def draft(self, request_id: str, context: Sequence[int], num: int, shared: bool) -> list[int]:
-        """At most `num` tokens to follow `context` (a chain); `shared`: the store may contribute (greedy rows)."""
-        match = self._match(request_id, context, num, shared)
-        if match is None:
-            return []
-        sources, budget, from_store = match
-        path, followed = best_path(sources, budget, self.config.min_prob)
-        if path and from_store:
-            self.store.touch([e for src, e in followed if src == len(sources) - 1])
-        return path
-
-    def draft_tree(self, request_id: str, context: Sequence[int], num: int, shared: bool) -> tuple[
-            list[int], list[int]]:
-        """At most `num` nodes, at most `num` deep, to follow `context` -> (tokens, parents) (`best_tree`)."""
-        match = self._match(request_id, context, num, shared)
-        if match is None:
-            return [], []
-        sources, budget, from_store = match
-        tokens, parents, followed = best_tree(sources, budget, self.config.min_prob)
-        if tokens and from_store:
-            self.store.touch([e for src, e in followed if src == len(sources) - 1])
-        return tokens, parents
-
-    def _match(self, request_id: str, context: Sequence[int], num: int, shared: bool) -> tuple[
-            list[tuple[list[int], list[int]]], int, bool] | None:
-        """The longest match's occurrences -> (sources: (tokens, ends) per index holding it, own first; the draft's
-        budget: min(num, alpha * match length); whether the store is the last source), or None: nothing to draft."""
+        """At most `num` tokens to follow `context`; `shared`: the store may contribute (greedy rows)."""
         cfg = self.config
         own = self.context_index(request_id, context)
         if num <= 0 or len(context) < 1:
-            return None
+            return []
         store = self.store.index if shared and self.store.outputs else None
         indexes = [own] + ([store] if store is not None else [])
         lengths = [ix.longest_match(context) for ix in indexes]
         match = max(lengths)
         if match == 0:
-            return None
+            return []
         pattern = context[len(context) - match:]
         sources = [(ix.tokens, ix.ends(pattern, cfg.max_occurrences)) for ix, m in zip(indexes, lengths)
                    if m == match]
-        return sources, min(num, int(cfg.alpha * match)), store is not None and lengths[-1] == match
+        path, followed = best_path(sources, min(num, int(cfg.alpha * match)), cfg.min_prob)
+        if path and store is not None and lengths[-1] == match:
+            s = len(sources) - 1
+            self.store.touch([e for src, e in followed if src == s])
+        return path
 
     # -- the Drafter interface ----------------------------------------------------------------------------------
     def admit(self, request_id: str, context: Sequence[int]) -> None:
@@ -320,20 +245,11 @@ class SuffixDrafter:
                 self.context_index(r.request_id, r.context)
 
     def find(self, rows: Sequence[ProposeRow]) -> list[list[int]]:
-        """Each row's chain (at most its num_draft tokens; [] where nothing matched)."""
+        """Each row's draft (at most its num_draft tokens; [] where nothing matched)."""
         return [self.draft(r.request_id, r.context, r.num_draft, r.greedy) if r.num_draft else [] for r in rows]
 
-    def find_trees(self, rows: Sequence[ProposeRow]) -> list[tuple[list[int], list[int]]]:
-        """Each row's tree (at most its num_draft nodes): (tokens, parents), empty where nothing matched."""
-        return [self.draft_tree(r.request_id, r.context, r.num_draft, r.greedy) if r.num_draft else ([], [])
-                for r in rows]
-
-    def draft_trees(self) -> None:
-        """Draft token trees from now on (the engine's call, for a target that verifies trees)."""
-        self.trees = True
-
     def propose(self, rows, k, sampling, steps, draft_top_k):
-        return tree_block(self.find_trees(rows), k) if self.trees else point_mass_block(self.find(rows), k)
+        return point_mass_block(self.find(rows), k)
 
     def finish(self, request_id: str, output: Sequence[int]) -> None:
         """A request ended with `output`: the store learns it, the request's index goes."""
