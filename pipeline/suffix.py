@@ -17,7 +17,11 @@ before, in the context itself or in the store of earlier outputs; then, among th
 most of the occurrences still on the path (ties: the most recent occurrence's), as long as its share of all the
 occurrences (SuffixDecoding's path probability) stays at least `min_prob`. The length adapts to the match: at most
 `alpha * match length` tokens (and the row's budget), so a one-token match drafts little and a long one much.
-The draft is a single chain (the best path of the frequency tree): the engine verifies chains.
+The draft is a chain, the best path of the occurrences' frequency tree. Drafting the tree itself (SuffixDecoding's
+best-first tree of the same budget: siblings where the occurrences disagree, verified with the target's tree
+attention) accepts 0-3% more tokens per target pass on Spec-Bench summarization/RAG and agentic turns, with as many
+drafted nodes, for a tree pass of 0.96-1.05x a chain pass on the CPU: no measurable gain in tokens/s
+(docs/benchmarks.md, "Tried and rejected"). The chain is also what Serve's coordinator ships to the target worker.
 
 Drafts are point masses, like prompt lookup's: the verifier treats a draft without probabilities as proposed with
 probability 1, so the output is the target's exactly, greedy or sampled. Sampled rows draft from their own context
