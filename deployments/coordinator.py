@@ -156,8 +156,13 @@ class Coordinator:
         if self.trees and (self.cfg.coordinator.overlap or self.cfg.coordinator.adaptive_k):
             logger.info("drafter.tree: a draft model's token trees run without pre-speculation and adaptive K (the "
                         "tree's shape is static; pre-speculation drafts chains)")
+        # A head's trees in the target worker are static shapes too: no adaptive K, as in the engine.
+        head_trees = d.head is not None and d.tree is not None and bool(self.info.get("supports_tree"))
+        if head_trees and self.cfg.coordinator.adaptive_k:
+            logger.info("drafter.tree: the feature head's token trees run without adaptive K (the tree's shape is "
+                        "static; the request's K caps its depth)")
         # One K policy per coordinator, over its requests; bucketed by how many it is serving.
-        adaptive = self.cfg.coordinator.adaptive_k and d.drafts and not self.trees
+        adaptive = self.cfg.coordinator.adaptive_k and d.drafts and not (self.trees or head_trees)
         self.k_policy = new_k_policy() if adaptive else None
 
     async def model_info(self) -> dict[str, Any]:

@@ -285,7 +285,8 @@ def deploy(heads, placement: str, tree: dict | None = None):
         "served_model_name": f"tiny-head-{name}",
         "target": {"model": heads["target"], "max_seq_len": MAX_SEQ_LEN, "max_batch_size": 2},
         "drafter": drafter,
-        "coordinator": {"adaptive_k": False},
+        # chains: a fixed K, as the engine runs them here; trees turn the coordinator's default adaptive K off
+        "coordinator": {} if tree else {"adaptive_k": False},
         "speculation": {"num_draft_tokens": K},
     }
     return run_app(build_app(config), f"heads-{name}"), config["served_model_name"]
@@ -340,6 +341,7 @@ def test_served_trees_in_the_target_equal_the_engine(heads, trees_in_target):
     want = engine_steps(heads, heads["eagle3"], GREEDY, tree=tree)[1]
     ids, spec = complete(url, model, {"max_tokens": 40, **GREEDY})
     assert ids == want.token_ids and spec["drafted"] == want.stats["drafted"] > 0
+    assert spec["adaptive_k"] is False  # a static shape: the coordinator's default K policy is off
     seeded, _ = complete(url, model, {"max_tokens": 40, **SEEDED})
     assert seeded == engine_steps(heads, heads["eagle3"], SEEDED, tree=tree)[1].token_ids
 
