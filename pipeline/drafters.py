@@ -394,15 +394,23 @@ class HybridDrafter:
         top_ids = tokens[:, :, None].repeat(1, 1, draft_top_k)
         top_probs = torch.zeros(B, k, draft_top_k, dtype=torch.float32)
         top_probs[:, :, 0] = (torch.arange(k)[None, :] < counts[:, None]).float()
+        parents = None
         if to_model:
             idx = torch.tensor(to_model, dtype=torch.int64)
             sub = self.model.propose([rows[b] for b in to_model], k, sampling.select(to_model),
                                      steps[idx.to(steps.device)], draft_top_k).to("cpu")
-            tokens[idx], counts[idx] = sub.token_ids, sub.num_draft
+            if sub.parents is not None:  # the model drafts token trees: a looked-up row is the tree of one child a node
+                N = max(k, sub.k)
+                tokens, top_ids, top_probs = (torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, N - k))
+                                              for t in (tokens, top_ids, top_probs))
+                parents = torch.arange(-1, N - 1, dtype=torch.int64).repeat(B, 1)  # [B, N]
+                parents[idx, :sub.k] = sub.parents
+            n = sub.k
+            tokens[idx, :n], counts[idx] = sub.token_ids, sub.num_draft
             width = sub.top_ids.shape[-1]  # < draft_top_k for a draft vocabulary smaller than top_k
-            top_ids[idx, :, :width], top_probs[idx, :, :width] = sub.top_ids, sub.top_probs
-            top_ids[idx, :, width:] = sub.top_ids[..., :1]  # padding: a repeated id at probability 0
-        return DraftBlock(tokens, counts, top_ids, top_probs)
+            top_ids[idx, :n, :width], top_probs[idx, :n, :width] = sub.top_ids, sub.top_probs
+            top_ids[idx, :n, width:] = sub.top_ids[..., :1]  # padding: a repeated id at probability 0
+        return DraftBlock(tokens, counts, top_ids, top_probs, parents)
 
 
 def hybrid_lookup() -> PromptLookupDrafter:

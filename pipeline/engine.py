@@ -496,15 +496,16 @@ def _tree_drafter(drafter: Drafter | None, target: CausalLM, tree: TreeConfig) -
     runner, tensor parallelism) keeps chains, logged; any other drafter is refused."""
     from pipeline.heads.drafter import HeadDrafter
 
-    if isinstance(drafter, HybridDrafter) and _head_drafter(drafter) is not None:
-        raise ValueError(f"a token tree drafts with the head alone: use {drafter.model.name!r} without "
-                         f"{HYBRID_PREFIX!r}")
-    if isinstance(drafter, HeadDrafter):
+    head = _head_drafter(drafter)
+    if isinstance(drafter, HybridDrafter) and head is None:
+        raise ValueError(f"a token tree drafts with a draft model or a feature head alone, or with a feature head "
+                         f"behind prompt lookup: use {drafter.model.name!r} without {HYBRID_PREFIX!r}")
+    if isinstance(head, HeadDrafter):  # alone, or behind prompt lookup (whose rows stay chains)
         if not supports_tree(target):
             log.warning("token trees: the target runs on %s, which has no tree attention; drafting chains instead",
                         type(target).__name__)
         else:
-            drafter.draft_trees(tree)
+            head.draft_trees(tree)
         return drafter
     if not isinstance(drafter, ModelDrafter):
         raise ValueError(f"a token tree needs a draft model of the target's vocabulary or a feature head; drafter "

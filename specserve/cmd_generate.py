@@ -75,11 +75,14 @@ def tree_config(args: argparse.Namespace):  # -> pipeline.config.TreeConfig | No
     return TreeConfig(branching, args.tree_nodes, dynamic=args.tree_dynamic)
 
 
-def tree_draft(tree, draft: str | None) -> str | None:
-    """The drafter word a tree drafts with: a 'lookup+WORD' drafter's WORD (said on stderr)."""
-    from pipeline.config import HYBRID_PREFIX
+def tree_draft(tree, draft: str | None, serve: bool = False) -> str | None:
+    """The drafter word a tree drafts with: a 'lookup+MODEL' drafter's MODEL (said on stderr). In process a feature
+    head behind prompt lookup keeps it (the looked-up rows draft chains, the others the head's trees); Serve's
+    trees are drafted by the head alone."""
+    from pipeline.config import HYBRID_PREFIX, is_head
 
-    if tree is not None and draft is not None and draft.startswith(HYBRID_PREFIX):
+    keep = is_head(draft) and not serve
+    if tree is not None and draft is not None and draft.startswith(HYBRID_PREFIX) and not keep:
         draft = draft[len(HYBRID_PREFIX):]
         sys.stderr.write(f"[token tree: drafting with {draft}, without prompt lookup]\n")
     return draft

@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     target = str(resolve(None))
     tree = tree_config(args) if getattr(args, "tree", None) else None  # the same tree in the engine and the app
     # what `specserve serve` deploys for the demo target; a tree drafts with a 'lookup+WORD' drafter's WORD alone
-    draft = tree_draft(tree, args.draft or default_draft(None))
+    draft = tree_draft(tree, args.draft or default_draft(None), serve=True)
     model_part = draft_model_spec(draft)
     if model_part is not None:
         model_path = str(resolve(model_part))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pipeline.config import EngineConfig, SamplingParams, SpecParams, TreeConfig
-from pipeline.drafters import ProposeRow, build_drafter
+from pipeline.drafters import HybridDrafter, ModelDrafter, ProposeRow, build_drafter
 from pipeline.engine import SpeculativeEngine
 from pipeline.heads.drafter import HeadDrafter, eagle3_dynamic_tree, eagle3_tree, medusa_tree, tree_plan
 from pipeline.models.graphs import GraphCausalLM, GraphConfig
@@ -226,10 +226,32 @@ def test_sampled_head_trees_replay_and_do_not_depend_on_the_batch(setup, name, s
         assert [eager.generate(p, q, SpecParams(3)).token_ids for p, q in zip(PROMPTS, params)] == singles
 
 
-def test_a_hybrid_head_is_refused_with_a_tree(setup):
+@pytest.mark.parametrize("static", [False, True])
+def test_a_head_behind_prompt_lookup_drafts_trees_where_lookup_finds_nothing(setup, static):
+    """`lookup+eagle3:` with a tree: rows whose context repeats an n-gram draft the lookup's chain (a tree of one
+    child a node), the others the head's tree, in one block; greedy output is the target's, seeded sampled output
+    replays alone and batched."""
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    want = [r.token_ids for r in _engine(setup, None).generate_batch(PROMPTS, params)]
     model, tok = load_model(str(setup["target"]))
     drafter = build_drafter(f"lookup+eagle3:{setup['eagle3']}", model.info, tok, target=model)
-    with pytest.raises(ValueError, match="drafts with the head alone"):
+    engine = SpeculativeEngine(GraphCausalLM(model, STATIC) if static else model, tok, drafter,
+                               EngineConfig(max_batch_size=4, max_seq_len=256, tree=TreeConfig((3, 2, 1))))
+    engine.head.static = static
+    assert engine.drafter is drafter and engine.head.tree is not None and engine.k_policy is None
+    got = engine.generate_batch(PROMPTS, params, SpecParams(3))
+    assert [r.token_ids for r in got] == want
+    assert drafter.lookup_rows > 0 and drafter.model_rows > 0  # both kinds of row drafted
+    assert max(engine.timings.steps_by_k) > 3  # some passes verified a tree
+    sampled = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=12, seed=s, ignore_eos=True) for s in (1, 2, 3)]
+    singles = [engine.generate(p, q, SpecParams(3)).token_ids for p, q in zip(PROMPTS, sampled)]
+    assert singles == [r.token_ids for r in engine.generate_batch(PROMPTS[:3], sampled, SpecParams(3))]
+
+
+def test_a_hybrid_draft_model_is_refused_with_a_tree(setup):
+    model, tok = load_model(str(setup["target"]))
+    drafter = HybridDrafter(ModelDrafter(load_model(str(setup["target"]))[0]))
+    with pytest.raises(ValueError, match="without 'lookup\\+'"):
         SpeculativeEngine(model, tok, drafter, EngineConfig(max_seq_len=128, tree=TreeConfig()))
 
 
