@@ -110,3 +110,17 @@ def test_the_tree_option_loads_a_tree_file_the_engine_drafts(tmp_path):
     engine = SpeculativeEngine(target, None, ModelDrafter(draft), dataclasses.replace(cfg, tree=tree))
     got = engine.generate_batch(prompts, params, SpecParams(3))
     assert [r.token_ids for r in got] == want and sum(r.stats["drafted"] for r in got) > 0
+
+
+def test_the_drafter_word_a_tree_drafts_with(capsys):
+    """`--tree` keeps a feature head behind prompt lookup in process (the lookup's rows stay chains), drafts Serve's
+    trees with the head alone, and a draft model's trees with the model alone (said on stderr)."""
+    from pipeline.config import TreeConfig
+    from specserve.cmd_generate import tree_draft
+
+    tree = TreeConfig((2, 1))
+    assert tree_draft(tree, "lookup+eagle3:DIR") == "lookup+eagle3:DIR"
+    assert tree_draft(tree, "lookup+eagle3:DIR", serve=True) == "eagle3:DIR"
+    assert tree_draft(tree, "lookup+smollm2-135m-distill") == "smollm2-135m-distill"
+    assert tree_draft(None, "lookup+smollm2-135m-distill") == "lookup+smollm2-135m-distill"
+    assert capsys.readouterr().err.count("without prompt lookup") == 2
