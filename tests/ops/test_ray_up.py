@@ -305,7 +305,7 @@ def test_load_scales_up_metrics_agree_then_scales_down(deployed):
     compute = _samples(text, "ray_specserve_verify_latency_seconds_count")
     assert {labels["scope"] for labels, _ in compute} == {"call", "compute"}
 
-    # Back down once the load is gone (downscale_delay_s 30 for Target and Drafter, look_back_period_s 5).
+    # Back down once the load is gone (downscale_delay_s 30, look_back_period_s 5).
     t = time.time()
     deadline = t + 120
     while time.time() < deadline:
