@@ -174,7 +174,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "head_placement": args.head_placement if is_head(draft) else None, "tree": getattr(args, "tree", None),
         "tree_nodes": getattr(args, "tree_nodes", None),
         "k": args.num_draft_tokens, "max_tokens": args.max_tokens, "threads": args.threads, "prompts": len(prompts),
-        "overlap": not args.no_overlap, "load_average_start": os.getloadavg(),
+        # pre-speculation as the coordinator runs it: never with a tree (it drafts chains)
+        "overlap": not args.no_overlap and tree is None, "load_average_start": os.getloadavg(),
         "single": {"engine": agg(single["engine"]), "http": agg(single["http"]), "greedy_mismatches": mismatches,
                    "pairs": len(pair_ratios), "ratio_median_of_pairs": statistics.median(pair_ratios)},
         "repeats": args.repeats,
